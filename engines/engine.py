@@ -1,0 +1,227 @@
+"""`Engine`: one model served offline with continuous batching (vLLM's `LLM` in spirit)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Sequence as Seq
+
+import torch
+
+from engines.block_manager import BlockManager
+from engines.config import EngineConfig, ModelConfig
+from engines.detokenizer import IncrementalDetokenizer
+from engines.runner import ForwardOutput, ModelRunner
+from engines.sampling import SamplingParams
+from engines.scheduler import Scheduler
+from engines.sequence import Sequence
+from engines.weights import load_model
+
+log = logging.getLogger("aiorouter.engine")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class GenerateOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_prefill_tokens: int = 0  # tokens computed as part of an extend (prompt, chunk or resume)
+    num_decode_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, model_path: str | Path, device: str | torch.device = "cpu",
+                 dtype: str | torch.dtype = "float32", config: EngineConfig | None = None,
+                 load_tokenizer: bool = True):
+        self.path = Path(model_path)
+        model_config = ModelConfig.from_dir(self.path)
+        device, dtype = torch.device(device), parse_dtype(dtype)
+        ecfg = self._fit_config(config or EngineConfig(), model_config)
+        tokenizer = self._load_tokenizer() if load_tokenizer else None
+        model = load_model(self.path, model_config, dtype, device)
+        runner = ModelRunner(model, model_config, ecfg, dtype, device, max_model_len=ecfg.max_model_len)
+        self._setup(model_config, ecfg, runner, tokenizer, device, dtype)
+        log.info("loaded %s (%s, %s): %d KV pages of %d tokens, max_model_len %d", self.path.name, device,
+                 str(dtype).removeprefix("torch."), ecfg.num_pages, ecfg.page_size, ecfg.max_model_len)
+
+    @staticmethod
+    def _fit_config(ecfg: EngineConfig, model_config: ModelConfig) -> EngineConfig:
+        # A lone sequence must always fit in the pool, so the context never exceeds it.
+        cap = ecfg.num_pages * ecfg.page_size
+        return replace(ecfg, max_model_len=min(ecfg.max_model_len or model_config.max_position_embeddings, cap))
+
+    def _setup(self, model_config: ModelConfig, ecfg: EngineConfig, runner, tokenizer, device: torch.device,
+               dtype: torch.dtype) -> None:
+        self.model_config, self.config, self.runner, self.tokenizer = model_config, ecfg, runner, tokenizer
+        self.device, self.dtype = device, dtype
+        self.max_model_len: int = ecfg.max_model_len
+        self.block_manager = BlockManager(ecfg.num_pages, ecfg.page_size, ecfg.enable_prefix_caching)
+        self.scheduler = Scheduler(ecfg, self.block_manager)
+        self.stats = EngineStats()
+        self._detok: dict[int, IncrementalDetokenizer] = {}
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
+                        **engine_config: object) -> "Engine":
+        return cls(path, device=device, dtype=dtype, config=EngineConfig(**engine_config))
+
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+        try:
+            return AutoTokenizer.from_pretrained(str(self.path))
+        except Exception as e:  # a directory with weights but no tokenizer still serves token ids
+            log.warning("no tokenizer in %s (%s); token-id prompts only", self.path, e)
+            return None
+
+    # -- requests ----------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass token ids")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self.tokenizer.encode(prompt, add_special_tokens=False) or []
+        return list(prompt)
+
+    def validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty")
+        V = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {V})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
+                             "(prompt plus at least one generated token must fit)")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
+        ids = self.tokenize(prompt)
+        self.validate_prompt(ids)
+        seq = Sequence(ids, params or SamplingParams())
+        self.scheduler.add(seq)
+        if self.tokenizer is not None:
+            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, ids)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq, "abort")
+        self._detok.pop(seq.seq_id, None)
+
+    def has_unfinished(self) -> bool:
+        return len(self.scheduler) > 0
+
+    # -- stepping ----------------------------------------------------------------------------
+    def forward(self, want_hidden: bool = False) -> ForwardOutput | None:
+        """Schedule and run one step, committing the computed K/V. Tokens are not appended:
+        the caller decides (a router may discard them)."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return None
+        out = self.runner.run(batch, want_hidden)
+        self.scheduler.commit(batch)
+        self.stats.num_steps += 1
+        for seq, n in batch:
+            if n == 1 and seq.num_computed_tokens > seq.num_prompt_tokens:
+                self.stats.num_decode_tokens += 1
+            else:
+                self.stats.num_prefill_tokens += n
+        return out
+
+    def append_token(self, seq: Sequence, token: int) -> str | None:
+        """Commit one token; returns the finish reason if the sequence is now done."""
+        seq.token_ids.append(token)
+        p = seq.sampling
+        n_out = seq.num_output_tokens
+        reason = None
+        if n_out >= p.min_tokens and ((not p.ignore_eos and token in self.model_config.eos_token_ids)
+                                      or token in p.stop_token_ids):
+            reason = "stop"
+        detok = self._detok.get(seq.seq_id)
+        if detok is not None:
+            detok.add(token)
+            if p.stop and reason is None and n_out >= p.min_tokens:
+                cut = _find_stop(detok.text, p.stop)
+                if cut is not None:
+                    seq.stop_text_len = cut
+                    reason = "stop"
+        if reason is None and (n_out >= p.max_tokens or len(seq.token_ids) >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return reason
+
+    def step(self) -> list[Sequence]:
+        """One continuous-batching step; returns the sequences that finished in it."""
+        out = self.forward()
+        if out is None:
+            return []
+        return [seq for seq, tok in zip(out.seqs, out.next_tokens) if self.append_token(seq, tok)]
+
+    def text_of(self, seq: Sequence) -> str:
+        detok = self._detok.get(seq.seq_id)
+        if detok is None:
+            return ""
+        text = detok.text + (detok.flush() if seq.is_finished else "")
+        return text[:seq.stop_text_len] if seq.stop_text_len is not None else text
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 *, use_tqdm: bool = False, **params: object) -> list[GenerateOutput]:
+        """Generate for every prompt together. Keyword args build a `SamplingParams`
+        (max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos, ...)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams(**params)
+        elif params:
+            raise TypeError("pass either sampling_params or keyword sampling arguments, not both")
+        plist = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        ids = [self.tokenize(p) for p in prompts]
+        for i in ids:
+            self.validate_prompt(i)  # all-or-nothing: a bad prompt rejects the call before any work
+        seqs = [self.add_request(i, p) for i, p in zip(ids, plist)]
+        pbar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            pbar = tqdm(total=len(seqs), desc="generate", unit="req")
+        try:
+            while any(not s.is_finished for s in seqs):
+                done = self.step()
+                if pbar is not None and done:
+                    pbar.update(len(done))
+        except BaseException:
+            for s in seqs:
+                self.abort(s)  # nothing leaks if a step fails or the caller interrupts
+            raise
+        finally:
+            if pbar is not None:
+                pbar.close()
+        outs = [GenerateOutput(s.token_ids[:s.num_prompt_tokens], s.output_ids, self.text_of(s), s.finish_reason or "",
+                               s.num_cached_tokens) for s in seqs]
+        for s in seqs:
+            self._detok.pop(s.seq_id, None)
+        return outs
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None

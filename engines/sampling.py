@@ -1,0 +1,88 @@
+"""Sampling parameters and a batched sampler (greedy, temperature, top-k, top-p, min-p, seeds)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits [B, V] (any float dtype) -> token ids [B] (int64).
+
+    Greedy rows take argmax (ties go to the lowest id, as HF does). Other rows are filtered
+    (top-k, top-p, min-p) on the temperature-scaled distribution and drawn with the
+    request's own generator when it has a seed, so a seeded request samples the same
+    tokens whatever batch it lands in.
+    """
+    out = torch.argmax(logits, dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return out
+    x = logits[rows].float() / torch.tensor([params[i].temperature for i in rows], device=logits.device)[:, None]
+    for r, i in enumerate(rows):
+        p = params[i]
+        if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
+            x[r] = _filter(x[r], p)
+    probs = torch.softmax(x, dim=-1)
+    for r, i in enumerate(rows):
+        out[i] = torch.multinomial(probs[r], 1, generator=generators[i]).squeeze(0)
+    return out
+
+
+def _filter(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """x [V] scaled logits -> same with filtered entries at -inf."""
+    if p.top_k > 0 and p.top_k < x.numel():
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.min_p > 0.0:
+        probs = torch.softmax(x, -1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, idx = torch.sort(x, descending=True)
+        cum = torch.softmax(sorted_x, -1).cumsum(-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
+        drop = (cum - torch.softmax(sorted_x, -1)) >= p.top_p
+        x = x.scatter(0, idx, sorted_x.masked_fill(drop, float("-inf")))
+    return x

@@ -1,0 +1,120 @@
+"""Continuous batching for one model: admission under a token budget, chunked prefill,
+preemption (recompute) when KV runs out, and a parked state for requests that wait on
+something outside the engine (the router parks a request while a peer model serves it)."""
+from __future__ import annotations
+
+from collections import deque
+
+from engines.block_manager import BlockManager
+from engines.config import EngineConfig
+from engines.runner import ScheduledSeq
+from engines.sequence import SeqStatus, Sequence
+
+
+class Scheduler:
+    def __init__(self, ecfg: EngineConfig, block_manager: BlockManager):
+        self.ecfg = ecfg
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.parked: dict[int, Sequence] = {}
+        self.num_preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.parked)
+
+    @property
+    def num_ready(self) -> int:
+        """Sequences a step could compute now."""
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.ecfg.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self.bm.reserve(seq, n):
+                if not self._preempt_one(keep=seq):
+                    break
+            else:
+                batch.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+                continue
+            self._preempt(seq)  # nothing left to take pages from: retry this one later
+        while self.waiting and budget > 0 and len(self.running) < self.ecfg.max_num_seqs:
+            seq = self.waiting[0]
+            self.bm.admit(seq)
+            n = min(seq.num_uncomputed, budget)
+            if not self.bm.reserve(seq, n):
+                self.bm.free(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+        return batch
+
+    def _preempt_one(self, keep: Sequence) -> bool:
+        """Free the newest running sequence other than `keep` (it is not yet in this batch,
+        since running is scheduled oldest first), else a parked one."""
+        if self.running and self.running[-1] is not keep:
+            self._preempt(self.running[-1])
+            return True
+        if self.parked:
+            seq = next(iter(self.parked.values()))
+            self.bm.free(seq)  # it recomputes its KV (mostly prefix-cache hits) when resumed
+            self.num_preemptions += 1
+            return True
+        return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def commit(self, batch: list[ScheduledSeq]) -> None:
+        """The batch's K/V were written."""
+        for seq, n in batch:
+            self.bm.commit_computed(seq, n)
+
+    def park(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        seq.status = SeqStatus.PENDING
+        self.parked[seq.seq_id] = seq
+
+    def resume(self, seq: Sequence, new_tokens: list[int]) -> None:
+        """Back from a peer: append what it produced; the next step extends over those tokens
+        with the pages it already holds (no prefix matching, no new admission)."""
+        del self.parked[seq.seq_id]
+        seq.token_ids.extend(new_tokens)
+        if seq.block_table or seq.num_computed_tokens:
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+        else:  # its KV was dropped under memory pressure while parked
+            self.add(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SeqStatus.PENDING:
+            del self.parked[seq.seq_id]
+        self.bm.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason

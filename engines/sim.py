@@ -1,0 +1,77 @@
+"""`SimEngine`: the real engine's scheduler, KV accounting and step semantics, with the model
+replaced by a sleep of L(b) = a + c*b seconds for a batch of b sequences and deterministic
+tokens. The runtime and the throughput model are validated on it."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engines.config import EngineConfig, ModelConfig
+from engines.engine import Engine
+from engines.runner import ForwardOutput, ScheduledSeq
+from engines.sampling import sample
+
+
+class ByteTokenizer:
+    """ids 0..255 are bytes; higher ids are specials that decode to nothing."""
+
+    eos_token_id = 256
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def sim_model_config(vocab_size: int = 512, max_len: int = 8192, eos: tuple[int, ...] = (256,)) -> ModelConfig:
+    return ModelConfig(model_type="llama", vocab_size=vocab_size, hidden_size=16, intermediate_size=32,
+                       num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=16,
+                       rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=max_len, tie_word_embeddings=True,
+                       attention_bias=False, mlp_bias=False, qk_norm=False, eos_token_ids=eos, bos_token_id=None)
+
+
+class SimRunner:
+    def __init__(self, cfg: ModelConfig, latency_a: float, latency_c: float, token_seed: int):
+        self.cfg, self.a, self.c, self.token_seed = cfg, latency_a, latency_c, token_seed
+        self.num_batches = 0
+
+    def latency(self, batch_size: int) -> float:
+        return self.a + self.c * batch_size
+
+    def next_logits(self, seq_tokens: list[int], pos: int) -> torch.Tensor:
+        """Deterministic in (context tail, position): two engines with the same token_seed
+        agree on every token, which identical-model equivalence tests rely on. The top logit's
+        margin varies, so entropy-based policies see both confident and unsure steps."""
+        V = self.cfg.vocab_size
+        h = (seq_tokens[-1] * 1_000_003 + pos * 7919 + self.token_seed * 104_729) % 2_147_483_647
+        logits = torch.zeros(V)
+        logits[32 + h % 95] = 1.0 + (h >> 8) % 12  # printable ASCII only: readable text, no accidental EOS
+        return logits
+
+    def run(self, batch: list[ScheduledSeq], want_hidden: bool = False) -> ForwardOutput:
+        t0 = time.perf_counter()
+        seqs = [s for s, n in batch if s.num_computed_tokens + n == len(s.token_ids)]
+        logits = torch.stack([self.next_logits(s.token_ids, len(s.token_ids)) for s in seqs]) if seqs \
+            else torch.empty(0, self.cfg.vocab_size)
+        tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs]).tolist() if seqs else []
+        hidden = torch.zeros(len(seqs), self.cfg.hidden_size) if want_hidden else None
+        self.num_batches += 1
+        # sleep the remainder of L(b): the bookkeeping above counts as part of the step
+        rest = self.latency(len(batch)) - (time.perf_counter() - t0)
+        if rest > 0:
+            time.sleep(rest)
+        return ForwardOutput(seqs, logits, tokens, hidden)
+
+
+class SimEngine(Engine):
+    def __init__(self, latency_a: float = 0.006, latency_c: float = 0.0, vocab_size: int = 512,
+                 config: EngineConfig | None = None, token_seed: int = 0, max_model_len: int = 8192):
+        if latency_a < 0 or latency_c < 0:
+            raise ValueError(f"SimEngine latencies must be >= 0, got a={latency_a}, c={latency_c}")
+        mcfg = sim_model_config(vocab_size, max_model_len)
+        ecfg = self._fit_config(config or EngineConfig(), mcfg)
+        self.path = None
+        self._setup(mcfg, ecfg, SimRunner(mcfg, latency_a, latency_c, token_seed), ByteTokenizer(),
+                    torch.device("cpu"), torch.float32)

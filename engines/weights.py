@@ -1,0 +1,88 @@
+"""Load HF safetensors checkpoints (sharded or not) into `CausalLM`, merging q/k/v and gate/up."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from engines.config import ModelConfig
+from engines.model import CausalLM
+
+# HF name suffix -> (our parameter suffix, index of the shard inside the merged tensor)
+_MERGED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model directory {str(path)!r} has no *.safetensors weights")
+    return files
+
+
+def _our_name(hf_name: str) -> tuple[str, int | None]:
+    name = hf_name.removeprefix("model.")
+    for src, (dst, shard) in _MERGED.items():
+        if f".{src}." in name:
+            return name.replace(src, dst), shard
+    return name, None
+
+
+def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    path = Path(path)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    params = dict(model.named_parameters(remove_duplicate=False))
+    h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    split = {"self_attn.qkv_proj": [h * d, hkv * d, hkv * d], "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
+    loaded: set[str] = set()
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for hf_name in f.keys():
+                    if "rotary_emb" in hf_name:
+                        continue
+                    name, shard = _our_name(hf_name)
+                    if name not in params:
+                        raise ValueError(f"{file}: unexpected weight {hf_name!r} for a {cfg.model_type} model")
+                    t = f.get_tensor(hf_name)
+                    dst = params[name].data
+                    if shard is not None:
+                        sizes = split[".".join(name.split(".")[-3:-1])]
+                        start = sum(sizes[:shard])
+                        dst = dst.narrow(0, start, sizes[shard])
+                        name = f"{name}#{shard}"
+                    if tuple(t.shape) != tuple(dst.shape):
+                        raise ValueError(f"{file}: weight {hf_name!r} has shape {tuple(t.shape)}, "
+                                         f"config.json implies {tuple(dst.shape)}")
+                    dst.copy_(t)
+                    loaded.add(name)
+        except SafetensorError as e:
+            raise ValueError(f"corrupt safetensors file {str(file)!r}: {e}") from None
+    expected = set()
+    for name, p in params.items():
+        kind = ".".join(name.split(".")[-3:-1])
+        if kind in split:
+            expected.update(f"{name}#{i}" for i in range(len(split[kind])))
+        elif not (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            expected.add(name)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+    return model.eval()
