@@ -86,8 +86,10 @@ class TorchBackend(AttentionBackend):
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            kd = k_cache[meta.decode_slots].transpose(1, 2)  # [Bd, Hkv, max_kv, D]
-            vd = v_cache[meta.decode_slots].transpose(1, 2)
+            bd, max_kv = meta.decode_slots.shape
+            flat = meta.decode_slots.view(-1)  # index_select: far cheaper than advanced indexing on CPU
+            kd = k_cache.index_select(0, flat).view(bd, max_kv, *k_cache.shape[1:]).transpose(1, 2)  # [Bd, Hkv, max_kv, D]
+            vd = v_cache.index_select(0, flat).view(bd, max_kv, *v_cache.shape[1:]).transpose(1, 2)
             qd = q[:nd].unsqueeze(2)  # [Bd, H, 1, D]
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
             out[:nd] = o.squeeze(2)
@@ -98,8 +100,8 @@ class TorchBackend(AttentionBackend):
                 ve = v[e.q_start:e.q_end].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qe, ke, ve, is_causal=True, enable_gqa=True)
             else:
-                ke = k_cache[e.kv_slots].transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
-                ve = v_cache[e.kv_slots].transpose(0, 1)[None]
+                ke = k_cache.index_select(0, e.kv_slots).transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
+                ve = v_cache.index_select(0, e.kv_slots).transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=e.mask[None, None], enable_gqa=True)
             out[e.q_start:e.q_end] = o[0].transpose(0, 1)
         return out

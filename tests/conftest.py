@@ -1,0 +1,41 @@
+"""Shared fixtures: a tiny random Qwen3 saved like an HF checkpoint, and the real SmolLM2."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Two models step in two threads in the runtime tests; one intra-op thread each is the
+# setting the library uses on small CPUs too.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def make_tiny_qwen3(path: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                    vocab: int = 512, seed: int = 0, tie: bool = False) -> Path:
+    import transformers
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                                   num_key_value_heads=kv_heads, intermediate_size=2 * hidden, vocab_size=vocab,
+                                   head_dim=hidden // heads, max_position_embeddings=1024, tie_word_embeddings=tie,
+                                   eos_token_id=1, bos_token_id=0)
+    model = transformers.Qwen3ForCausalLM(cfg).float()
+    # random init of norms is all-ones; perturb them so a norm bug cannot hide
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    return make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    from engines.default_model import default_model_path
+    return default_model_path()
