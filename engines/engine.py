@@ -15,6 +15,7 @@ from engines.runner import ForwardOutput, ModelRunner
 from engines.sampling import SamplingParams
 from engines.scheduler import Scheduler
 from engines.sequence import Sequence
+from engines.stop import check_stop
 from engines.weights import load_model
 
 log = logging.getLogger("aiorouter.engine")
@@ -148,22 +149,13 @@ class Engine:
     def append_token(self, seq: Sequence, token: int) -> str | None:
         """Commit one token; returns the finish reason if the sequence is now done."""
         seq.token_ids.append(token)
-        p = seq.sampling
-        n_out = seq.num_output_tokens
-        reason = None
-        if n_out >= p.min_tokens and ((not p.ignore_eos and token in self.model_config.eos_token_ids)
-                                      or token in p.stop_token_ids):
-            reason = "stop"
         detok = self._detok.get(seq.seq_id)
         if detok is not None:
             detok.add(token)
-            if p.stop and reason is None and n_out >= p.min_tokens:
-                cut = _find_stop(detok.text, p.stop)
-                if cut is not None:
-                    seq.stop_text_len = cut
-                    reason = "stop"
-        if reason is None and (n_out >= p.max_tokens or len(seq.token_ids) >= self.max_model_len):
-            reason = "length"
+        reason, cut = check_stop(seq.sampling, token, seq.num_output_tokens, detok.text if detok else None,
+                                 self.model_config.eos_token_ids, len(seq.token_ids), self.max_model_len)
+        if cut is not None:
+            seq.stop_text_len = cut
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return reason
@@ -220,8 +212,3 @@ class Engine:
         for s in seqs:
             self._detok.pop(s.seq_id, None)
         return outs
-
-
-def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None

@@ -57,6 +57,10 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             if not self.bm.reserve(seq, n):
                 self.bm.free(seq)
+                # Nothing runs and parked sequences hold the pool: drop their KV (they
+                # recompute on resume, mostly from the prefix cache) rather than stall forever.
+                if not batch and not self.running and self._preempt_one(keep=seq):
+                    continue
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
@@ -71,11 +75,11 @@ class Scheduler:
         if self.running and self.running[-1] is not keep:
             self._preempt(self.running[-1])
             return True
-        if self.parked:
-            seq = next(iter(self.parked.values()))
-            self.bm.free(seq)  # it recomputes its KV (mostly prefix-cache hits) when resumed
-            self.num_preemptions += 1
-            return True
+        for seq in self.parked.values():
+            if seq.block_table:
+                self.bm.free(seq)  # it recomputes its KV (mostly prefix-cache hits) when resumed
+                self.num_preemptions += 1
+                return True
         return False
 
     def _preempt(self, seq: Sequence) -> None:

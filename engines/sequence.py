@@ -38,6 +38,7 @@ class Sequence:
     generator: torch.Generator | None = None
     stop_text_len: int | None = None  # where a stop string cut the text
     user_data: object = None  # owner's handle (the runtime keeps its request here)
+    t_ready: float | None = None  # when it last became ready to compute (admission-delay metric)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

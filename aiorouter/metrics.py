@@ -1,0 +1,55 @@
+"""Counters the runtime keeps; the server exports them (Prometheus) and benchmarks read them."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelMetrics:
+    tokens_committed: int = 0
+    steps: int = 0
+    batch_sizes: Counter = field(default_factory=Counter)  # batch size -> number of steps
+    admission_delay_sum: float = 0.0  # seconds between becoming ready and joining a launched batch
+    admission_delay_count: int = 0
+    step_time_sum: float = 0.0
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+    queue_len: int = 0  # ready (waiting + running) sequences
+    pending: int = 0  # parked while a peer serves them
+
+    @property
+    def mean_admission_delay(self) -> float:
+        return self.admission_delay_sum / max(1, self.admission_delay_count)
+
+    @property
+    def mean_batch_size(self) -> float:
+        n = sum(self.batch_sizes.values())
+        return sum(b * c for b, c in self.batch_sizes.items()) / max(1, n)
+
+
+@dataclass
+class RouterMetrics:
+    models: dict[str, ModelMetrics]
+    handoffs: Counter = field(default_factory=Counter)  # (src name, dst name) -> count
+    requests_started: int = 0
+    requests_finished: Counter = field(default_factory=Counter)  # finish reason -> count
+    requests_failed: int = 0
+    active: int = 0
+
+    @property
+    def tokens_committed(self) -> int:
+        return sum(m.tokens_committed for m in self.models.values())
+
+    def snapshot(self) -> dict:
+        return {
+            "active": self.active, "requests_started": self.requests_started,
+            "requests_finished": dict(self.requests_finished), "requests_failed": self.requests_failed,
+            "handoffs": {f"{a}->{b}": n for (a, b), n in self.handoffs.items()},
+            "models": {name: {"tokens_committed": m.tokens_committed, "steps": m.steps,
+                              "mean_batch_size": m.mean_batch_size, "batch_sizes": dict(m.batch_sizes),
+                              "mean_admission_delay_s": m.mean_admission_delay,
+                              "kv_pages_used": m.kv_pages_used, "kv_pages_total": m.kv_pages_total,
+                              "queue_len": m.queue_len, "pending": m.pending}
+                       for name, m in self.models.items()},
+        }

@@ -1,0 +1,49 @@
+"""How a router is told about its models."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from engines import EngineConfig
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One cooperating model. `engine="sim"` needs no weights: it sleeps L(b) = a + c*b."""
+
+    path: str | None = None
+    device: str | None = None  # "cpu", "cuda:0", or a group "cuda:0,1"; None: the router's device
+    dtype: str = "float32"
+    kv_share: float | None = None  # share of the router's KV memory; None: an equal split
+    num_kv_tokens: int | None = None  # explicit KV capacity (overrides kv_share)
+    engine: Literal["real", "sim"] = "real"
+    latency_ms: float = 6.0  # sim: a, per-step latency at batch 0
+    latency_slope_ms: float = 0.0  # sim: c, added per sequence in the batch
+    vocab_size: int = 512  # sim only
+    token_seed: int = 0  # sim only: engines with equal seeds emit equal tokens
+    engine_config: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("real", "sim"):
+            raise ValueError(f"engine must be 'real' or 'sim', got {self.engine!r}")
+        if self.engine == "real" and not self.path:
+            raise ValueError("a real model spec needs a path")
+        if self.kv_share is not None and not 0 < self.kv_share <= 1:
+            raise ValueError(f"kv_share must be in (0, 1], got {self.kv_share}")
+
+    @staticmethod
+    def coerce(value: "str | Path | dict | ModelSpec") -> "ModelSpec":
+        if isinstance(value, ModelSpec):
+            return value
+        if isinstance(value, (str, Path)):
+            return ModelSpec(path=str(value))
+        if isinstance(value, dict):
+            value = dict(value)
+            if isinstance(value.get("engine_config"), dict):
+                value["engine_config"] = EngineConfig(**value["engine_config"])
+            try:
+                return ModelSpec(**value)
+            except TypeError as e:
+                raise ValueError(f"bad model spec {value!r}: {e}") from None
+        raise ValueError(f"a model must be a path, a dict or a ModelSpec, got {type(value).__name__}")

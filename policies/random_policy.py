@@ -1,0 +1,43 @@
+"""`random`: R2R's handoff pattern with a coin instead of a router network.
+
+The small model (0) hands a step to the large model (1) with probability p; its own token is
+discarded, the large model generates that position, commits it and hands straight back.
+Seeded per request, so a request's routing does not depend on what it is batched with.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from policies.base import STAY, PeerReq, Policy
+
+
+class RandomPolicy(Policy):
+    name = "random"
+    num_models = 2
+
+    def __init__(self, p: float = 0.35, seed: int = 0):
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"random policy: p must be in [0, 1], got {p!r}")
+        self.p, self.seed = float(p), int(seed)
+
+    def _rng(self, req) -> np.random.Generator:
+        rng = req.state.get("rng")
+        if rng is None:
+            rng = req.state["rng"] = np.random.default_rng([self.seed, zlib.crc32(req.rid.encode())])
+        return rng
+
+    def route(self, model, result):
+        if model == 1:
+            return [1] * len(result.reqs)  # the large model always hands back after one token
+        return [1 if self._rng(r).random() < self.p else STAY for r in result.reqs]
+
+    def send(self, model, req, target):
+        seen = req.seen[target]
+        commit = [req.sampled] if model == 1 else []  # large: commit its token; small: discard
+        return PeerReq(req.rid, req.token_ids[seen:] + commit, loc=seen)
+
+    def routing_template(self):
+        p = self.p
+        return np.array([[1 - p, p], [1.0, 0.0]]), np.array([[1.0, 0.0], [1.0, 0.0]])
