@@ -94,3 +94,8 @@ class Release(NamedTuple):
 
 class Wake(NamedTuple):
     """Something system-wide changed (a request ended): re-check the launch condition."""
+
+
+class Kick(NamedTuple):
+    """Every model is idle below its threshold and nothing is in flight: launch anyway. (The
+    active count can fall below what the thresholds were solved for, e.g. as load drains.)"""

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Mapping
 
 from aiorouter.batching import parse_thresholds
 from aiorouter.metrics import RouterMetrics
-from aiorouter.request import (GenerateResult, NewRequest, Release, ReqStatus, RouterError, RouterRequest,
+from aiorouter.request import (GenerateResult, Kick, NewRequest, Release, ReqStatus, RouterError, RouterRequest,
                                StreamEvent, Wake)
 from aiorouter.spec import ModelSpec
 from aiorouter.subserver import Subserver
@@ -54,6 +54,8 @@ class Router:
         self.max_model_len = 0
         self._tasks: list[asyncio.Task] = []
         self._wakeup: asyncio.Event | None = None
+        self._busy = 0  # subservers inside a step
+        self._in_flight = 0  # NewRequest/Handoff messages posted and not yet handled
         self._started = False
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -141,6 +143,17 @@ class Router:
     def threshold(self, model: int) -> int:
         n = min(max(1, self.num_active), self.max_concurrency)
         return self._thresholds[n][model]
+
+    def stalled(self) -> bool:
+        """No model is stepping and no request is in transit: nothing changes unless someone launches."""
+        return self._busy == 0 and self._in_flight == 0
+
+    def kick(self) -> Subserver:
+        """Break a stall: the model with the most ready requests launches. Returns it."""
+        best = max(self.subservers, key=lambda s: (s.num_ready, -s.index))
+        best.kicked = True
+        best.post(Kick())  # wakes it if it is waiting on its inbox
+        return best
 
     def policy_for(self, req: RouterRequest) -> Policy:
         return req.policy or self.policy

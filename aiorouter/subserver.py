@@ -13,7 +13,7 @@ import torch
 
 from aiorouter.batching import should_launch
 from aiorouter.metrics import ModelMetrics
-from aiorouter.request import Handoff, NewRequest, Release, RouterError, RouterRequest, Wake
+from aiorouter.request import Handoff, Kick, NewRequest, Release, RouterError, RouterRequest, Wake
 from engines import Engine, Sequence
 from engines.runner import ForwardOutput, ScheduledSeq
 from policies.base import ReqView, RouteInput
@@ -34,18 +34,25 @@ class Subserver:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"aiorouter-{name}",
                                            initializer=torch.set_num_threads, initargs=(num_threads,))
         self.task: asyncio.Task | None = None
+        self.kicked = False  # the router found the system stalled and chose this model to launch
 
     @property
     def scheduler(self):
         return self.engine.scheduler
 
     def post(self, msg: object) -> None:
+        if isinstance(msg, (NewRequest, Handoff)):
+            self.router._in_flight += 1
         self.inbox.put_nowait(msg)
         self.router._wakeup.set()
 
     # -- inbox -------------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
-        if isinstance(msg, NewRequest):
+        if isinstance(msg, (NewRequest, Handoff)):
+            self.router._in_flight -= 1
+        if isinstance(msg, Kick):
+            self.kicked = True
+        elif isinstance(msg, NewRequest):
             self._arrive(msg.req, msg.req.token_ids[:], loc=0)
         elif isinstance(msg, Handoff):
             self._receive(msg)
@@ -107,7 +114,7 @@ class Subserver:
 
     def can_launch(self) -> bool:
         r = self.router
-        if r.mode != "delayed":
+        if r.mode != "delayed" or (self.kicked and self.num_ready):
             return self.num_ready > 0
         return should_launch(self.num_ready, r.threshold(self.index), r.num_active)
 
@@ -118,9 +125,18 @@ class Subserver:
 
     async def step(self) -> bool:
         """Schedule, run and post-process one batch. False when nothing could be scheduled."""
+        self.kicked = False
         batch = self.scheduler.schedule()
         if not batch:
             return False
+        self.router._busy += 1
+        try:
+            await self._step(batch)
+        finally:
+            self.router._busy -= 1
+        return True
+
+    async def _step(self, batch: list[ScheduledSeq]) -> None:
         now = time.perf_counter()
         m = self.metrics
         for seq, _ in batch:
@@ -135,14 +151,13 @@ class Subserver:
             log.exception("model %s: step failed", self.name)
             for seq, _ in batch:
                 self.router.fail(seq.user_data, RouterError(f"model {self.name!r} failed a step: {e!r}"))
-            return True
+            return
         self.scheduler.commit(batch)
         m.steps += 1
         m.batch_sizes[len(batch)] += 1
         m.step_time_sum += time.perf_counter() - now
         self.postprocess(out)
         self._update_gauges()
-        return True
 
     def postprocess(self, out: ForwardOutput) -> None:
         rows = [i for i, s in enumerate(out.seqs) if not s.user_data.finished]
@@ -218,6 +233,8 @@ class Subserver:
             if self.can_launch():
                 if await self.step():
                     continue
+            elif self.num_ready and r.stalled() and r.kick() is self:
+                continue
             timeout = r.max_wait_s if (r.mode == "delayed" and self.num_ready and r.max_wait_s) else None
             try:
                 msg = await asyncio.wait_for(self.inbox.get(), timeout)

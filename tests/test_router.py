@@ -1,0 +1,234 @@
+"""Runtime behaviour on real tiny models and on SimEngine."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from aiorouter import Router, RouterError
+from engines import Engine
+from policies import Policy, RouteInput
+from policies.rstitch import normalized_entropy
+
+N_REQ = 16
+MAX_TOK = 24
+
+
+def prompts(n=N_REQ, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 512) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+
+
+def single_model_ids(path, ps, max_tokens=MAX_TOK):
+    eng = Engine.from_pretrained(path, num_kv_tokens=8192)
+    return [o.token_ids for o in eng.generate(ps, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)]
+
+
+async def run_all(router, ps, **kw):
+    kw = {"max_tokens": MAX_TOK, "temperature": 0.0, "ignore_eos": True, **kw}
+    return await asyncio.gather(*(router.generate(p, **kw) for p in ps))
+
+
+def pair(path, **kw):
+    return Router({"small": str(path), "large": str(path)}, entry="small", **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_ref(tiny_qwen3):
+    ps = prompts()
+    return ps, single_model_ids(tiny_qwen3, ps)
+
+
+@pytest.mark.parametrize("mode", ["delayed", "eager", "sync"])
+async def test_identical_models_random_policy_equals_single(tiny_qwen3, tiny_ref, mode):
+    ps, ref = tiny_ref
+    async with pair(tiny_qwen3, policy="random", policy_args={"p": 0.35, "seed": 7}, mode=mode) as r:
+        res = await run_all(r, ps)
+        assert [x.token_ids for x in res] == ref
+        used = {m for x in res for m in x.models}
+        assert used == {"small", "large"}
+        h = r.metrics.handoffs
+        assert h[("small", "large")] > 20 and h[("large", "small")] > 20
+        # handoff-resume: prefix matching ran once per (request, model) first visit, never per handoff
+        for s in r.subservers:
+            assert s.engine.block_manager.num_prefix_matches <= N_REQ
+        assert sum(h.values()) > 2 * N_REQ
+
+
+def _median_entropy_tau(path, ps):
+    eng = Engine.from_pretrained(path, num_kv_tokens=4096)
+    ents = []
+    for p in ps[:4]:
+        seq = eng.add_request(p, __import__("engines").SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        while not seq.is_finished:
+            out = eng.forward()
+            ents += normalized_entropy(out.logits).tolist()
+            for s, t in zip(out.seqs, out.next_tokens):
+                eng.append_token(s, t)
+    return float(np.median(ents))
+
+
+async def test_identical_models_rstitch_equals_single(tiny_qwen3, tiny_ref):
+    ps, ref = tiny_ref
+    tau = _median_entropy_tau(tiny_qwen3, ps)  # a random model is unsure everywhere: split at its median
+    async with pair(tiny_qwen3, policy="rstitch", policy_args={"tau": tau}) as r:
+        res = await run_all(r, ps)
+        assert [x.token_ids for x in res] == ref
+        counts = {m: sum(x.models.count(m) for x in res) for m in ("small", "large")}
+        assert counts["small"] > 0 and counts["large"] > 0, counts
+
+
+async def test_smollm2_identical_pair_equals_single(smollm2):
+    eng = Engine.from_pretrained(smollm2, num_kv_tokens=8192)
+    tok = eng.tokenizer
+    qs = ["What is 2+2?", "Name a color.", "Say hi.", "What is the capital of Italy?"] * 4
+    ps = [tok.apply_chat_template([{"role": "user", "content": q + f" ({i})"}], add_generation_prompt=True)
+          for i, q in enumerate(qs)]
+    ps = [p if isinstance(p, list) else p["input_ids"] for p in ps]
+    ref = [o.token_ids for o in eng.generate(ps, max_tokens=16, temperature=0.0, ignore_eos=True)]
+    del eng
+    for policy, args in (("random", {"p": 0.35, "seed": 1}), ("rstitch", {"tau": 0.03})):
+        async with pair(smollm2, policy=policy, policy_args=args, kv_memory_gb=0.5) as r:
+            res = await run_all(r, ps, max_tokens=16)
+            assert [x.token_ids for x in res] == ref, policy
+            assert {m for x in res for m in x.models} == {"small", "large"}, policy
+
+
+async def test_stream_is_ordered_once_and_text_matches(tiny_qwen3):
+    async with pair(tiny_qwen3, policy="random", policy_args={"p": 0.5}) as r:
+        evs = [ev async for ev in r.stream([5, 6, 7], max_tokens=30, ignore_eos=True)]
+        assert [e.index for e in evs] == list(range(30))
+        assert evs[-1].finish_reason == "length" and all(e.finish_reason is None for e in evs[:-1])
+        res = await r.generate([5, 6, 7], max_tokens=30, ignore_eos=True)
+        assert res.token_ids == [e.token_id for e in evs]
+        assert res.text == "".join(e.text for e in evs) == r.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+
+
+def kv_clean(router):
+    for s in router.subservers:
+        bm = s.engine.block_manager
+        assert bm.num_free_pages == bm.num_pages, s.name
+        assert bm.allocator.num_free + bm.num_cached_pages == bm.num_pages
+        assert len(s.scheduler) == 0
+
+
+class FlakyPolicy(Policy):
+    """random-like routing that raises inside route for some requests."""
+    name, num_models = "flaky", 2
+
+    def route(self, model, result: RouteInput):
+        if any(r.token_ids[0] == 13 and len(r.token_ids) - r.num_prompt_tokens > 3 for r in result.reqs):
+            raise RuntimeError("boom")
+        return [1 if model == 1 or random.random() < 0.4 else 0 for _ in result.reqs]
+
+    def send(self, model, req, target):
+        from policies import PeerReq
+        seen = req.seen[target]
+        return PeerReq(req.rid, req.token_ids[seen:] + ([req.sampled] if model == 1 else []), seen)
+
+
+async def test_no_kv_leaks_after_mixed_endings(tiny_qwen3):
+    async with pair(tiny_qwen3, policy=FlakyPolicy(), kv_memory_gb=0.05) as r:
+        rng = random.Random(3)
+        ps = prompts(200, seed=3)
+        for i in range(0, 200, 40):
+            ps[i] = [13] + ps[i]  # these fail inside route
+        outcomes = {"ok": 0, "aborted": 0, "failed": 0}
+
+        async def one(i, p):
+            n = 0
+            try:
+                async for _ in r.stream(p, max_tokens=rng.randrange(1, 12), ignore_eos=True):
+                    n += 1
+                    if i % 7 == 0 and n == 2:
+                        outcomes["aborted"] += 1
+                        return  # leaving the loop aborts the request everywhere
+                outcomes["ok"] += 1
+            except RouterError:
+                outcomes["failed"] += 1
+
+        sem = asyncio.Semaphore(24)
+
+        async def limited(i, p):
+            async with sem:
+                await one(i, p)
+
+        await asyncio.gather(*(limited(i, p) for i, p in enumerate(ps)))
+        assert outcomes["failed"] >= 4 and outcomes["aborted"] >= 10 and outcomes["ok"] >= 100, outcomes
+        await asyncio.sleep(0.05)  # let every subserver drain its Release messages
+        kv_clean(r)
+        assert r.num_active == 0
+        # and it still serves
+        assert (await r.generate([5, 6], max_tokens=3, ignore_eos=True)).token_ids
+
+
+async def test_cancelling_the_consumer_aborts(tiny_qwen3):
+    async with pair(tiny_qwen3, policy="random", policy_args={"p": 0.5}) as r:
+        async def consume():
+            async for _ in r.stream([5, 6, 7], max_tokens=500, ignore_eos=True):
+                pass
+        t = asyncio.create_task(consume())
+        await asyncio.sleep(0.3)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        await asyncio.sleep(0.05)
+        assert r.num_active == 0
+        kv_clean(r)
+
+
+class BadDestination(Policy):
+    name, num_models = "bad-dest", 2
+
+    def route(self, model, result):
+        return [5] * len(result.reqs)
+
+
+class RaisingPolicy(Policy):
+    name, num_models = "raising", 2
+
+    def route(self, model, result):
+        raise ValueError("my router network exploded")
+
+
+async def test_bad_input_is_refused_and_router_keeps_serving(tiny_qwen3):
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        pair(tiny_qwen3, policy="nope")
+    with pytest.raises(ValueError, match="unknown entry model 'medium'"):
+        Router({"small": str(tiny_qwen3)}, entry="medium")
+    with pytest.raises(ValueError, match="unknown mode"):
+        pair(tiny_qwen3, mode="fast")
+    with pytest.raises(ValueError, match="has no argument 'q'"):
+        pair(tiny_qwen3, policy="random", policy_args={"q": 1})
+    for policy, msg in ((BadDestination(), "only 1 peers"), (RaisingPolicy(), "my router network exploded")):
+        async with pair(tiny_qwen3, policy=policy) as r:
+            with pytest.raises(RouterError, match=msg):
+                await r.generate([5, 6, 7], max_tokens=5)
+            r.policy = make_single()
+            assert len((await r.generate([5, 6, 7], max_tokens=5, ignore_eos=True)).token_ids) == 5
+            kv_clean(r)
+    async with pair(tiny_qwen3) as r:
+        for bad in ([], [5, 10_000], "x" * 0):
+            with pytest.raises(ValueError):
+                await r.generate(bad, max_tokens=3)
+        with pytest.raises(ValueError, match="max_tokens"):
+            await r.generate([5], max_tokens=0)
+        assert (await r.generate([5, 6], max_tokens=2, ignore_eos=True)).token_ids
+
+
+def make_single():
+    from policies import SinglePolicy
+    p = SinglePolicy()
+    p.bind(["small", "large"])
+    return p
+
+
+async def test_vocabulary_mismatch_is_refused(tiny_qwen3, tmp_path):
+    from conftest import make_tiny_qwen3
+    other = make_tiny_qwen3(tmp_path / "v1000", vocab=1000)
+    r = Router({"a": str(tiny_qwen3), "b": str(other)})
+    with pytest.raises(ValueError, match="share one vocabulary"):
+        await r.start()
