@@ -3,6 +3,7 @@ request to another model after any step. Request-centric programming, model-cent
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import uuid
@@ -284,6 +285,12 @@ class Router:
         """Yield one event per committed token, in order, exactly once. Leaving the loop early
         (break, cancellation, a client disconnect) aborts the request on every model."""
         req = self.submit(prompt, **kwargs)
+        async with contextlib.aclosing(self.events(req)) as events:
+            async for ev in events:
+                yield ev
+
+    async def events(self, req: RouterRequest) -> AsyncIterator[StreamEvent]:
+        """The events of a submitted request; closing this iterator early aborts the request."""
         try:
             while True:
                 ev = await req.events.get()

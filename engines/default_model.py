@@ -169,3 +169,39 @@ def default_model_path(dtype: str = "float32") -> Path:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     print(default_model_path(*sys.argv[1:2]))
+
+
+def truncated_model_path(src: Path, num_layers: int) -> Path:
+    """A cheaper sibling of `src`: its first `num_layers` layers under the same embedding,
+    final norm and head (the embedded default pair's small model). Built once, cached."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src = Path(src)
+    cfg = json.loads((src / "config.json").read_text())
+    if not 1 <= num_layers <= cfg["num_hidden_layers"]:
+        raise ValueError(f"num_layers must be in [1, {cfg['num_hidden_layers']}], got {num_layers}")
+    out = src.with_name(f"{src.name}-first{num_layers}layers")
+    if (out / MARKER).is_file():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                parts = k.split(".")
+                if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
+                    continue
+                tensors[k] = st.get_tensor(k)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    cfg["num_hidden_layers"] = num_layers
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", MARKER):
+            shutil.copy2(f, tmp / f.name)
+    (tmp / MARKER).write_text(json.dumps({"source": str(src), "num_layers": num_layers}))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out

@@ -39,3 +39,15 @@ def tiny_qwen3(tmp_path_factory) -> Path:
 def smollm2() -> Path:
     from engines.default_model import default_model_path
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, smollm2) -> Path:
+    """A tiny random Qwen3 that speaks SmolLM2's tokenizer (vocab 49152, ChatML template), so
+    text and chat endpoints run on a model that steps in milliseconds."""
+    import shutil
+    path = make_tiny_qwen3(tmp_path_factory.mktemp("tiny_chat"), vocab=49152, seed=5)
+    for f in smollm2.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "special_tokens_map.json"):
+            shutil.copy2(f, path / f.name)
+    return path

@@ -1,0 +1,270 @@
+"""The OpenAI-compatible HTTP front end (aiohttp) over one `Router`."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from aiorouter import Router, RouterError
+from policies import make_policy
+from server.prom import render_metrics
+from server.schemas import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("aiorouter.server")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str = "aiorouter"
+    api_key: str | None = None
+    max_concurrency: int = 64
+    max_queue: int = 64  # requests waiting for a slot before 429
+    max_body_bytes: int = 4 * 2**20
+    default_max_tokens: int = 256
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   headers: dict | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+class Server:
+    def __init__(self, router: Router, config: ServerConfig = ServerConfig()):
+        self.router, self.cfg = router, config
+        self.ready = False
+        self.draining = False
+        self.in_flight = 0
+        self._slots = asyncio.Semaphore(config.max_concurrency)
+        self._waiting = 0
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors, self._auth])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    # -- middlewares ---------------------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return error_response(e.status, e.message, e.type, e.param, e.headers)
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(413, f"request body exceeds {self.cfg.max_body_bytes} bytes")
+        except web.HTTPException as e:
+            if e.status >= 400:
+                return error_response(e.status, e.reason or "error")
+            raise
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self.cfg.api_key and request.path != "/health":
+            got = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {self.cfg.api_key}".encode()):
+                raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                               "authentication_error")
+        return await handler(request)
+
+    # -- plain endpoints -----------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.ready or self.draining:
+            return error_response(503, "not ready" if not self.ready else "shutting down", "unavailable")
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.cfg.served_model_name, "object": "model", "created": 0, "owned_by": "aiorouter",
+             "aiorouter": {"models": self.router.names, "entry": self.router.names[self.router.entry],
+                           "policy": self.router.policy.name, "mode": self.router.mode}}]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body, ctype = render_metrics(self.router, self)
+        return web.Response(body=body, headers={"Content-Type": ctype})
+
+    # -- generation ----------------------------------------------------------------------------
+    async def _body(self, request: web.Request, schema):
+        ctype = request.headers.get("Content-Type", "")
+        if not ctype.split(";")[0].strip().lower() == "application/json":
+            raise ApiError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}")
+        raw = await request.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ApiError(400, f"request body is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ApiError(400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        try:
+            return schema.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"]) or None
+            raise ApiError(400, f"{loc}: {err['msg']}" if loc else err["msg"], param=loc) from None
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.cfg.served_model_name and name not in self.router.names:
+            raise ApiError(404, f"model {name!r} does not exist; this server serves {self.cfg.served_model_name!r}",
+                           "not_found_error", "model")
+
+    def _sampling(self, body, max_tokens: int | None, prompt_len: int) -> dict[str, Any]:
+        ctx = self.router.max_model_len
+        if prompt_len >= ctx:
+            raise ApiError(400, f"prompt has {prompt_len} tokens; the context is {ctx} tokens", param="prompt")
+        if max_tokens is None:
+            max_tokens = min(self.cfg.default_max_tokens, ctx - prompt_len)
+        elif prompt_len + max_tokens > ctx:
+            raise ApiError(400, f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
+                                f"context of {ctx} tokens", param="max_tokens")
+        kw = dict(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                  min_p=body.min_p, seed=body.seed, stop=body.stop, ignore_eos=body.ignore_eos)
+        if body.routing is not None:
+            kw["policy"] = self._routing_override(body.routing)
+        return kw
+
+    def _routing_override(self, spec: dict[str, Any]):
+        args = dict(spec)
+        name = args.pop("policy", self.router.policy.name)
+        if not isinstance(name, str):
+            raise ApiError(400, "routing.policy must be a policy name", param="routing.policy")
+        try:
+            policy = make_policy(name, args)
+            if not getattr(policy, "per_request", True):
+                raise ValueError(f"policy {name!r} cannot change per request (it carries trained state)")
+            policy.bind(self.router.names)
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, f"routing: {e}", param="routing") from None
+        return policy
+
+    async def _admit(self) -> None:
+        if self.draining:
+            raise ApiError(503, "server is shutting down", "unavailable")
+        if self._slots.locked() and self._waiting >= self.cfg.max_queue:
+            raise ApiError(429, f"server is at capacity ({self.cfg.max_concurrency} running, "
+                                f"{self._waiting} queued); retry later", "rate_limit_error",
+                           headers={"Retry-After": "1"})
+        self._waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._waiting -= 1
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request, CompletionRequest)
+        return await self._generate(request, body, body.prompt, body.max_tokens, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request, ChatCompletionRequest)
+        try:
+            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+        except ValueError as e:
+            raise ApiError(400, f"messages: {e}", param="messages") from None
+        return await self._generate(request, body, msgs, body.limit(), chat=True)
+
+    async def _generate(self, request: web.Request, body, prompt, max_tokens: int | None, chat: bool):
+        self._check_model(body.model)
+        try:
+            ids = self.router._prompt_ids(prompt)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="prompt") from None
+        kw = self._sampling(body, max_tokens, len(ids))
+        await self._admit()
+        self.in_flight += 1
+        try:
+            try:
+                req = self.router.submit(ids, **kw)
+            except ValueError as e:
+                raise ApiError(400, str(e)) from None
+            # aclosing: a disconnect (the handler is cancelled) aborts the request at once
+            async with contextlib.aclosing(self.router.events(req)) as events:
+                if body.stream:
+                    return await self._sse(request, body, events, len(ids), chat)
+                return await self._whole(body, events, len(ids), chat)
+        finally:
+            self.in_flight -= 1
+            self._slots.release()
+
+    def _usage(self, prompt_tokens: int, per_model: dict[str, int]) -> dict:
+        n = sum(per_model.values())
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
+                "per_model": {m: per_model.get(m, 0) for m in self.router.names}}
+
+    async def _whole(self, body, events: AsyncIterator, prompt_tokens: int, chat: bool) -> web.Response:
+        text, per_model, reason = [], {}, None
+        try:
+            async for ev in events:
+                text.append(ev.text)
+                if ev.model:
+                    per_model[ev.model] = per_model.get(ev.model, 0) + 1
+                reason = ev.finish_reason or reason
+        except RouterError as e:
+            raise ApiError(500, str(e), "server_error") from None
+        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        choice = {"index": 0, "finish_reason": reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
+        else:
+            choice["text"] = "".join(text)
+        return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                  "created": created, "model": self.cfg.served_model_name, "choices": [choice],
+                                  "usage": self._usage(prompt_tokens, per_model)})
+
+    async def _sse(self, request: web.Request, body, events: AsyncIterator, prompt_tokens: int, chat: bool):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        per_model: dict[str, int] = {}
+
+        def chunk(text: str | None, reason: str | None, model: str | None, first: bool = False) -> bytes:
+            if chat:
+                delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+            d = {"id": rid, "object": obj, "created": created, "model": self.cfg.served_model_name, "choices": [choice]}
+            if model:
+                d["aiorouter"] = {"model": model}
+            return f"data: {json.dumps(d)}\n\n".encode()
+
+        try:
+            if chat:
+                await resp.write(chunk("", None, None, first=True))
+            async for ev in events:
+                if ev.model:
+                    per_model[ev.model] = per_model.get(ev.model, 0) + 1
+                if ev.text or ev.finish_reason:
+                    await resp.write(chunk(ev.text, ev.finish_reason, ev.model))
+        except RouterError as e:
+            err = {"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}}
+            await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+        if body.stream_options is not None and body.stream_options.include_usage:
+            u = {"id": rid, "object": obj, "created": created, "model": self.cfg.served_model_name, "choices": [],
+                 "usage": self._usage(prompt_tokens, per_model)}
+            await resp.write(f"data: {json.dumps(u)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,215 @@
+"""The `aiorouter` command line: serve, generate, tune, bench, train-router."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("aiorouter.cli")
+
+DEFAULT_SMALL_LAYERS = 10
+
+
+def default_models() -> dict[str, str]:
+    """The embedded default pair, offline: SmolLM2-135M-Instruct as the large model and its
+    first 10 layers (same embedding, norm and head) as a ~3x cheaper small model."""
+    from engines.default_model import default_model_path, truncated_model_path
+    large = default_model_path()
+    return {"small": str(truncated_model_path(large, DEFAULT_SMALL_LAYERS)), "large": str(large)}
+
+
+def parse_models(items: list[str] | None) -> dict[str, object]:
+    """NAME=PATH, or NAME=sim:LATENCY_MS[:SLOPE_MS] for a weightless simulated model."""
+    if not items:
+        return default_models()
+    models: dict[str, object] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise SystemExit(f"--model expects NAME=PATH, got {item!r}")
+        if name in models:
+            raise SystemExit(f"--model {name!r} given twice")
+        if value.startswith("sim:"):
+            parts = value.split(":")[1:]
+            try:
+                nums = [float(x) for x in parts]
+            except ValueError:
+                raise SystemExit(f"--model {item!r}: sim takes sim:LATENCY_MS[:SLOPE_MS]") from None
+            models[name] = {"engine": "sim", "latency_ms": nums[0], "latency_slope_ms": nums[1] if len(nums) > 1 else 0.0}
+        else:
+            if not Path(value).is_dir():
+                raise SystemExit(f"--model {name}: {value!r} is not a directory")
+            models[name] = value
+    return models
+
+
+def parse_policy_args(items: list[str] | None) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for item in items or []:
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--policy-arg expects KEY=VALUE, got {item!r}")
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def add_router_args(ap: argparse.ArgumentParser, default_policy: str) -> None:
+    ap.add_argument("--model", action="append", metavar="NAME=PATH",
+                    help="a cooperating model (repeat); default: the embedded SmolLM2 pair")
+    ap.add_argument("--policy", default=default_policy)
+    ap.add_argument("--policy-arg", action="append", metavar="KEY=VALUE")
+    ap.add_argument("--entry", help="entry model (default: the first)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--mode", choices=["delayed", "eager", "sync"], default="delayed")
+    ap.add_argument("--max-concurrency", type=int, default=64)
+    ap.add_argument("--kv-memory-gb", type=float, default=2.0)
+
+
+def make_router(args):
+    from aiorouter import Router
+    models = parse_models(args.model)
+    if args.dtype != "float32":
+        models = {k: ({"path": v, "dtype": args.dtype} if isinstance(v, str) else v) for k, v in models.items()}
+    return Router(models, policy=args.policy, policy_args=parse_policy_args(args.policy_arg), entry=args.entry,
+                  device=args.device, mode=args.mode, max_concurrency=args.max_concurrency,
+                  kv_memory_gb=args.kv_memory_gb)
+
+
+def describe(router) -> list[str]:
+    lines = []
+    n = router.max_concurrency
+    for i, s in enumerate(router.subservers):
+        e = s.engine
+        lines.append(f"model {s.name}: {e.path or 'sim'} device={e.device} dtype={str(e.dtype).removeprefix('torch.')} "
+                     f"kv_pages={e.block_manager.num_pages}x{e.config.page_size} max_model_len={e.max_model_len} "
+                     f"threshold(N=1)={router._thresholds[1][i]} threshold(N={n})={router._thresholds[n][i]}")
+    return lines
+
+
+# -- serve ------------------------------------------------------------------------------------------
+async def serve_main(args) -> int:
+    from aiohttp import web
+
+    from server.app import Server, ServerConfig
+    router = make_router(args)
+    cfg = ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key,
+                       max_concurrency=args.max_concurrency, max_queue=args.max_queue)
+    server = Server(router, cfg)
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()  # /health answers 503 while the models load
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await router.start()
+        for line in describe(router):
+            log.info(line)
+        server.ready = True
+        port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else args.port
+        log.info("ready: http://%s:%d/v1 (policy %s, mode %s)", args.host, port, router.policy.name, router.mode)
+        await stop.wait()
+        log.info("shutting down: no new requests; %d in flight get %.0fs to finish", server.in_flight, args.grace)
+        server.draining = True
+        deadline = time.monotonic() + args.grace
+        while server.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    finally:
+        await router.close()  # aborts whatever is left; frees every KV page
+        await runner.cleanup()
+    log.info("stopped")
+    return 0
+
+
+# -- generate -------------------------------------------------------------------------------------------
+COLORS = ["\033[36m", "\033[33m", "\033[35m", "\033[32m", "\033[34m"]
+RESET = "\033[0m"
+
+
+async def generate_main(args) -> int:
+    router = make_router(args)
+    async with router:
+        tty = sys.stdout.isatty()
+        prompt = [{"role": "user", "content": args.prompt}] if router.tokenizer is not None and \
+            getattr(router.tokenizer, "chat_template", None) and not args.raw else args.prompt
+        counts = {n: 0 for n in router.names}
+        t0 = time.perf_counter()
+        async for ev in router.stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                      seed=args.seed):
+            if ev.model:
+                counts[ev.model] += 1
+            color = COLORS[router.names.index(ev.model) % len(COLORS)] if (tty and ev.model) else ""
+            sys.stdout.write(f"{color}{ev.text}{RESET if color else ''}")
+            sys.stdout.flush()
+        dt = time.perf_counter() - t0
+        total = sum(counts.values())
+        legend = ", ".join(f"{(COLORS[i % len(COLORS)] if tty else '')}{n}{RESET if tty else ''}: {c}"
+                           for i, (n, c) in enumerate(counts.items()))
+        print(f"\n[{total} tokens ({legend}) in {dt:.2f}s, {total / dt:.1f} tok/s]")
+    return 0
+
+
+# -- entry point -----------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="aiorouter", description="Token-level routed LLM serving.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_router_args(s, "rstitch")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key")
+    s.add_argument("--served-model-name", default="aiorouter")
+    s.add_argument("--max-queue", type=int, default=64, help="requests queued beyond --max-concurrency before 429")
+    s.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    g = sub.add_parser("generate", help="stream one answer to the terminal, coloured by model")
+    add_router_args(g, "rstitch")
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    sub.add_parser("tune", help="solve the throughput model for delayed-batching thresholds", add_help=False)
+    sub.add_parser("bench", help="benchmarks against the baselines", add_help=False)
+    sub.add_parser("train-router", help="train an R2R or CITER router network", add_help=False)
+    if argv and argv[0] in ("tune", "bench", "train-router"):
+        return _delegate(argv[0], argv[1:])
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from aiorouter import run
+    try:
+        return run(serve_main(args) if args.cmd == "serve" else generate_main(args))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"aiorouter {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _delegate(cmd: str, rest: list[str]) -> int:
+    if cmd == "tune":
+        from aiorouter.tuning.cli import main as tune
+        return tune(rest)
+    if cmd == "train-router":
+        from policies.train import main as train
+        return train(rest)
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench" / "run.py").is_file():
+        print("aiorouter bench: needs a source checkout (bench/ is not part of the installed package)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(root))
+    from bench.run import main as bench
+    return bench(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

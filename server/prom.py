@@ -1,0 +1,52 @@
+"""Prometheus exposition of the router's metrics, collected at scrape time into a registry
+owned by the call (no module-level registry: several routers may share a process)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+
+class _RouterCollector:
+    def __init__(self, router, server=None):
+        self.router, self.server = router, server
+
+    def collect(self):
+        m = self.router.metrics
+        req = CounterMetricFamily("aiorouter_requests", "Requests ended, by finish reason", labels=["reason"])
+        for reason, n in m.requests_finished.items():
+            req.add_metric([reason], n)
+        yield req
+        yield GaugeMetricFamily("aiorouter_requests_active", "Requests in the router", value=m.active)
+        if self.server is not None:
+            yield GaugeMetricFamily("aiorouter_http_in_flight", "HTTP generation requests in flight",
+                                    value=self.server.in_flight)
+        tok = CounterMetricFamily("aiorouter_tokens", "Output tokens committed, by model", labels=["model"])
+        ho = CounterMetricFamily("aiorouter_handoffs", "Handoffs between models", labels=["src", "dst"])
+        for (a, b), n in m.handoffs.items():
+            ho.add_metric([a, b], n)
+        used = GaugeMetricFamily("aiorouter_kv_pages_used", "KV pages held by live requests", labels=["model"])
+        total = GaugeMetricFamily("aiorouter_kv_pages_total", "KV pages in the pool", labels=["model"])
+        queue = GaugeMetricFamily("aiorouter_queue_length", "Requests ready to compute", labels=["model"])
+        pend = GaugeMetricFamily("aiorouter_pending", "Requests parked while a peer serves them", labels=["model"])
+        delay = SummaryMetricFamily("aiorouter_admission_delay_seconds", "Ready-to-launch delay", labels=["model"])
+        batch = HistogramMetricFamily("aiorouter_batch_size", "Sequences per step", labels=["model"])
+        for name, mm in m.models.items():
+            tok.add_metric([name], mm.tokens_committed)
+            used.add_metric([name], mm.kv_pages_used)
+            total.add_metric([name], mm.kv_pages_total)
+            queue.add_metric([name], mm.queue_len)
+            pend.add_metric([name], mm.pending)
+            delay.add_metric([name], mm.admission_delay_count, mm.admission_delay_sum)
+            edges = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+            cum = [sum(c for b, c in mm.batch_sizes.items() if b <= e) for e in edges]
+            n = sum(mm.batch_sizes.values())
+            buckets = [(str(e), c) for e, c in zip(edges, cum)] + [("+Inf", n)]
+            batch.add_metric([name], buckets, sum_value=sum(b * c for b, c in mm.batch_sizes.items()))
+        yield from (tok, ho, used, total, queue, pend, delay, batch)
+
+
+def render_metrics(router, server=None) -> tuple[bytes, str]:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_RouterCollector(router, server))
+    return generate_latest(reg), CONTENT_TYPE_LATEST

@@ -1,0 +1,249 @@
+"""The HTTP server on a loopback port, driven by the official `openai` client."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from aiorouter import Router
+from engines import Engine
+from server.app import Server, ServerConfig
+
+KEY = "sk-test"
+
+
+@contextlib.asynccontextmanager
+async def running_server(models, policy="random", policy_args=None, **cfg):
+    router = Router(models, policy=policy, policy_args=policy_args, kv_memory_gb=0.05)
+    server = Server(router, ServerConfig(**cfg))
+    runner = web.AppRunner(server.app(), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    await router.start()
+    server.ready = True
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", server, router
+    finally:
+        await router.close()
+        await runner.cleanup()
+
+
+def pair(path):
+    return {"small": str(path), "large": str(path)}
+
+
+async def test_openai_client_chat_and_completions_match_single_model(tiny_chat_model):
+    eng = Engine.from_pretrained(tiny_chat_model, num_kv_tokens=2048)
+    msgs = [{"role": "user", "content": "Tell me a story about a cat."}]
+    ids = eng.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    ref_chat = eng.generate(ids, max_tokens=20, temperature=0.0, ignore_eos=True)[0].text
+    ref_cmpl = eng.generate("Once upon a time", max_tokens=20, temperature=0.0, ignore_eos=True)[0].text
+    async with running_server(pair(tiny_chat_model), policy_args={"p": 0.4, "seed": 3}) as (url, _, router):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none")
+        extra = {"ignore_eos": True}
+        r = await client.chat.completions.create(model="aiorouter", messages=msgs, max_tokens=20, temperature=0,
+                                                 extra_body=extra)
+        assert r.choices[0].message.content == ref_chat
+        assert r.usage.completion_tokens == 20
+        per_model = r.model_extra.get("usage", {}) if r.model_extra else {}
+        per_model = r.usage.model_extra["per_model"]
+        assert sum(per_model.values()) == 20 and per_model["large"] > 0
+        stream = await client.chat.completions.create(model="aiorouter", messages=msgs, max_tokens=20, temperature=0,
+                                                      stream=True, stream_options={"include_usage": True},
+                                                      extra_body=extra)
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage:
+                usage = chunk.usage
+        assert text == ref_chat and usage.completion_tokens == 20
+        c = await client.completions.create(model="aiorouter", prompt="Once upon a time", max_tokens=20,
+                                            temperature=0, extra_body=extra)
+        assert c.choices[0].text == ref_cmpl and c.choices[0].finish_reason == "length"
+        s = await client.completions.create(model="aiorouter", prompt="Once upon a time", max_tokens=20,
+                                            temperature=0, stream=True, extra_body=extra)
+        assert "".join([ch.choices[0].text async for ch in s]) == ref_cmpl
+        models = await client.models.list()
+        assert models.data[0].id == "aiorouter"
+
+
+async def kv_used(url, headers=None):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/metrics", headers=headers) as r:
+            text = await r.text()
+    used = {}
+    for line in text.splitlines():
+        if line.startswith("aiorouter_kv_pages_used{"):
+            used[line.split('model="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return used, text
+
+
+async def test_64_concurrent_streams_then_kv_back_to_idle(tiny_chat_model):
+    async with running_server(pair(tiny_chat_model)) as (url, server, router):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        idle, _ = await kv_used(url)
+
+        async def one(i):
+            s = await client.completions.create(model="aiorouter", prompt=f"Number {i}:", max_tokens=8,
+                                                temperature=0.7, seed=i, stream=True, extra_body={"ignore_eos": True})
+            return "".join([c.choices[0].text async for c in s])
+
+        outs = await asyncio.gather(*(one(i) for i in range(64)))
+        assert len(outs) == 64 and all(isinstance(o, str) for o in outs)
+        await asyncio.sleep(0.05)
+        used, text = await kv_used(url)
+        assert used == idle == {"small": 0.0, "large": 0.0}
+        assert 'aiorouter_tokens_total{model="small"}' in text and "aiorouter_requests_total" in text
+        assert router.metrics.requests_finished["length"] == 64
+
+
+BAD = [
+    ("malformed json", {"data": b"{not json", "headers": {"Content-Type": "application/json"}}, 400),
+    ("wrong content type", {"data": b"prompt=hi", "headers": {"Content-Type": "text/plain"}}, 415),
+    ("missing prompt", {"json": {"model": "aiorouter"}}, 400),
+    ("wrong type", {"json": {"prompt": "hi", "max_tokens": "ten"}}, 400),
+    ("negative max_tokens", {"json": {"prompt": "hi", "max_tokens": -5}}, 400),
+    ("huge max_tokens", {"json": {"prompt": "hi", "max_tokens": 10**9}}, 400),
+    ("prompt too long", {"json": {"prompt": "hello " * 3000}}, 400),
+    ("unknown field", {"json": {"prompt": "hi", "frobnicate": 1}}, 400),
+    ("n > 1", {"json": {"prompt": "hi", "n": 2}}, 400),
+    ("unsupported penalty", {"json": {"prompt": "hi", "presence_penalty": 0.5}}, 400),
+    ("body too large", {"data": b'{"prompt": "' + b"a" * (5 * 2**20) + b'"}',
+                        "headers": {"Content-Type": "application/json"}}, 413),
+    ("non utf-8", {"data": b'{"prompt": "\xff\xfe"}', "headers": {"Content-Type": "application/json"}}, 400),
+    ("bad temperature", {"json": {"prompt": "hi", "temperature": -1}}, 400),
+    ("unknown model", {"json": {"prompt": "hi", "model": "gpt-9"}}, 404),
+    ("token id out of vocab", {"json": {"prompt": [1, 2, 10**7]}}, 400),
+    ("bad routing override", {"json": {"prompt": "hi", "routing": {"policy": "nope"}}}, 400),
+    ("bad routing arg", {"json": {"prompt": "hi", "routing": {"policy": "rstitch", "zeta": 1}}}, 400),
+]
+
+
+async def test_bad_inputs_get_4xx_and_server_keeps_serving(tiny_chat_model):
+    async with running_server(pair(tiny_chat_model)) as (url, server, router):
+        async with aiohttp.ClientSession() as s:
+            for name, kw, status in BAD:
+                async with s.post(url + "/v1/completions", **kw) as r:
+                    assert r.status == status, (name, r.status, await r.text())
+                    body = await r.json()
+                    assert body["error"]["message"] and body["error"]["type"], name
+            async with s.post(url + "/v1/chat/completions", json={"messages": []}) as r:
+                assert r.status == 400
+            ok = {"prompt": "hi", "max_tokens": 3, "ignore_eos": True, "routing": {"policy": "rstitch", "tau": 0.05}}
+            async with s.post(url + "/v1/completions", json=ok) as r:
+                assert r.status == 200, await r.text()
+                assert (await r.json())["usage"]["completion_tokens"] == 3
+        assert router.num_active == 0
+
+
+async def test_disconnects_abort_and_free_kv(tiny_chat_model):
+    async with running_server(pair(tiny_chat_model)) as (url, server, router):
+        async def disconnect_after_first_chunk(i):
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/completions", json={"prompt": f"go {i}", "max_tokens": 500,
+                                                                 "stream": True, "ignore_eos": True}) as r:
+                    assert r.status == 200
+                    await r.content.readline()
+            # leaving both contexts closes the connection mid-stream
+        await asyncio.gather(*(disconnect_after_first_chunk(i) for i in range(20)))
+        for _ in range(100):
+            if router.num_active == 0 and server.in_flight == 0:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)
+        assert router.num_active == 0 and server.in_flight == 0
+        assert router.metrics.requests_finished["abort"] == 20
+        used, _ = await kv_used(url)
+        assert used == {"small": 0.0, "large": 0.0}
+
+
+async def test_api_key_required(tiny_chat_model):
+    async with running_server(pair(tiny_chat_model), api_key=KEY) as (url, server, router):
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/health") as r:
+                assert r.status == 200
+            for path in ("/v1/models", "/metrics"):
+                async with s.get(url + path) as r:
+                    assert r.status == 401
+                async with s.get(url + path, headers={"Authorization": "Bearer wrong"}) as r:
+                    assert r.status == 401
+            async with s.post(url + "/v1/completions", json={"prompt": "hi"}) as r:
+                assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY)
+        c = await client.completions.create(model="aiorouter", prompt="hi", max_tokens=2)
+        assert c.choices[0].text is not None
+
+
+async def test_backpressure_answers_429(tiny_chat_model):
+    models = {"small": {"engine": "sim", "latency_ms": 20.0, "vocab_size": 49152},
+              "large": {"engine": "sim", "latency_ms": 20.0, "vocab_size": 49152}}
+    async with running_server(models, max_concurrency=2, max_queue=1) as (url, server, router):
+        async with aiohttp.ClientSession() as s:
+            async def one():
+                async with s.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 20}) as r:
+                    return r.status, r.headers.get("Retry-After")
+            results = await asyncio.gather(*(one() for _ in range(6)))
+        statuses = sorted(st for st, _ in results)
+        assert statuses.count(200) == 3 and statuses.count(429) == 3, statuses
+        assert all(ra == "1" for st, ra in results if st == 429)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_finishes_in_flight_and_exits_0(tmp_path):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", "a=sim:30", "--model", "b=sim:30",
+                             "--policy", "random", "--port", str(port), "--grace", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        async def scenario():
+            async with aiohttp.ClientSession() as s:
+                for _ in range(200):
+                    try:
+                        async with s.get(url + "/health") as r:
+                            if r.status == 200:
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    await asyncio.sleep(0.1)
+                else:
+                    raise AssertionError("server never became healthy")
+                req = asyncio.create_task(s.post(url + "/v1/completions",
+                                                 json={"prompt": [5, 6, 7], "max_tokens": 30, "ignore_eos": True}))
+                await asyncio.sleep(0.3)
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.2)
+                async with s.post(url + "/v1/completions", json={"prompt": [5], "max_tokens": 2}) as r:
+                    assert r.status == 503  # draining: no new work
+                r = await req
+                body = await r.json()
+                assert r.status == 200 and body["usage"]["completion_tokens"] == 30
+        asyncio.run(scenario())
+        assert proc.wait(timeout=30) == 0
+        out = proc.stdout.read()
+        assert "ready: http://127.0.0.1" in out and "model a:" in out and "stopped" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
