@@ -89,3 +89,23 @@ def test_eager_beats_sync_at_n4():
     sync = asyncio.run(measure("sync"))
     eager = asyncio.run(measure("eager"))
     assert eager > 1.1 * sync, (eager, sync)
+
+
+def test_runs_on_uvloop_and_from_asyncio_run():
+    import uvloop
+
+    import aiorouter
+
+    async def main():
+        loop_type = type(asyncio.get_running_loop()).__module__
+        r = Router(sim_models([0.5, 0.5]), policy="random", policy_args={"p": 0.5})
+        await r.start()  # the Jupyter form: no context manager, top-level await
+        try:
+            res = await r.generate("hi", max_tokens=5, ignore_eos=True)
+        finally:
+            await r.close()
+        return loop_type, res
+
+    loop_type, res = aiorouter.run(main())
+    assert loop_type.startswith("uvloop") and len(res.token_ids) == 5
+    assert asyncio.run(main())[1].token_ids == res.token_ids
