@@ -1,0 +1,117 @@
+"""Shared benchmark plumbing: the cpu-tiny model pair, closed-loop clients, machine facts, results."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+# cpu-tiny: random Qwen3 pair whose step latencies differ ~6x, like the paper's 0.6B/32B pair.
+TINY_SHAPES = {"small": dict(hidden=256, layers=4, heads=4, kv_heads=2),
+               "large": dict(hidden=1024, layers=12, heads=16, kv_heads=4)}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("AIOROUTER_CACHE", Path.home() / ".cache" / "aiorouter"))
+
+
+def tiny_qwen3(name: str, vocab: int = 4096, seed: int = 0) -> Path:
+    """Build (once) and return a random Qwen3 checkpoint of the cpu-tiny pair."""
+    s = TINY_SHAPES[name]
+    path = cache_dir() / "bench-models" / f"qwen3-h{s['hidden']}-l{s['layers']}-v{vocab}-s{seed}"
+    if (path / "config.json").is_file():
+        return path
+    import transformers
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3Config(hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                                   num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+                                   intermediate_size=3 * s["hidden"], vocab_size=vocab, head_dim=64,
+                                   max_position_embeddings=8192, tie_word_embeddings=True,
+                                   eos_token_id=1, bos_token_id=0)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(tmp)
+    tmp.rename(path)
+    return path
+
+
+def machine() -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "load_avg": os.getloadavg(), "commit": commit, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+@dataclass
+class LoopResult:
+    tokens: int = 0
+    seconds: float = 0.0
+    ttft: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    per_model: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> dict:
+        q = lambda xs, p: sorted(xs)[min(len(xs) - 1, int(p * len(xs)))] if xs else None
+        per_user = [n / t for n, t in self._per_request] if getattr(self, "_per_request", None) else []
+        return {"tok_s": self.tok_s, "tokens": self.tokens, "seconds": self.seconds,
+                "ttft_p50": q(self.ttft, 0.5), "ttft_p90": q(self.ttft, 0.9),
+                "e2e_p50": q(self.e2e, 0.5), "e2e_p90": q(self.e2e, 0.9),
+                "per_user_tok_s": statistics.median(per_user) if per_user else None,
+                "model_fraction": {k: v / max(1, self.tokens) for k, v in self.per_model.items()}}
+
+
+async def closed_loop(send, n: int, prompts: list, total: int) -> LoopResult:
+    """`n` workers; each sends its next prompt as soon as the last answer ends. `send(prompt)`
+    is an async iterator of (token_count_increment, model_name) per streamed token."""
+    res, it = LoopResult(), iter(range(total))
+    res._per_request = []
+
+    async def worker():
+        for i in it:
+            t0 = time.perf_counter()
+            first, n_tok = None, 0
+            async for model in send(prompts[i % len(prompts)]):
+                if first is None:
+                    first = time.perf_counter() - t0
+                n_tok += 1
+                res.per_model[model] = res.per_model.get(model, 0) + 1
+            dt = time.perf_counter() - t0
+            res.tokens += n_tok
+            res.ttft.append(first or dt)
+            res.e2e.append(dt)
+            res._per_request.append((n_tok, dt))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(n)))
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def write_json(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **data}, indent=2, default=str))
+    return path
