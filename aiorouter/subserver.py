@@ -156,10 +156,10 @@ class Subserver:
         m.steps += 1
         m.batch_sizes[len(batch)] += 1
         m.step_time_sum += time.perf_counter() - now
-        self.postprocess(out)
+        await self.postprocess(out)
         self._update_gauges()
 
-    def postprocess(self, out: ForwardOutput) -> None:
+    async def postprocess(self, out: ForwardOutput) -> None:
         rows = [i for i, s in enumerate(out.seqs) if not s.user_data.finished]
         if not rows:
             return
@@ -177,7 +177,11 @@ class Subserver:
             ri = RouteInput(out.logits[idx], torch.tensor([toks[k] for k in ks]),
                             out.hidden[idx] if out.hidden is not None else None, views)
             try:
-                dests = policy.route(self.index, ri)
+                if policy.route_in_worker:
+                    loop = asyncio.get_running_loop()
+                    dests = await loop.run_in_executor(self.executor, policy.route, self.index, ri)
+                else:
+                    dests = policy.route(self.index, ri)
                 dests = [int(d) for d in (dests.tolist() if hasattr(dests, "tolist") else dests)]
                 if len(dests) != len(ks):
                     raise RouterError(f"policy {policy.name!r}.route returned {len(dests)} destinations "

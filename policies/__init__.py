@@ -5,10 +5,16 @@ import inspect
 from typing import Any
 
 from policies.base import STAY, PeerReq, Policy, ReqView, RouteInput, SinglePolicy
+from policies.citer import CITERPolicy
+from policies.colm import CoLLMPolicy
+from policies.ensemble import EnsemblePolicy
+from policies.query import QueryPolicy
+from policies.r2r import R2RPolicy
 from policies.random_policy import RandomPolicy
 from policies.rstitch import RStitchPolicy
 
-REGISTRY: dict[str, type[Policy]] = {p.name: p for p in (SinglePolicy, RandomPolicy, RStitchPolicy)}
+REGISTRY: dict[str, type[Policy]] = {p.name: p for p in (SinglePolicy, RandomPolicy, RStitchPolicy, R2RPolicy,
+                                                         CITERPolicy, CoLLMPolicy, EnsemblePolicy, QueryPolicy)}
 
 
 def register(cls: type[Policy]) -> type[Policy]:
@@ -34,4 +40,5 @@ def make_policy(policy: str | Policy, args: dict[str, Any] | None = None) -> Pol
 
 
 __all__ = ["STAY", "PeerReq", "Policy", "ReqView", "RouteInput", "REGISTRY", "register", "make_policy",
-           "SinglePolicy", "RandomPolicy", "RStitchPolicy"]
+           "SinglePolicy", "RandomPolicy", "RStitchPolicy", "R2RPolicy", "CITERPolicy", "CoLLMPolicy",
+           "EnsemblePolicy", "QueryPolicy"]

@@ -58,6 +58,8 @@ class Policy:
     num_models: ClassVar[int | None] = None  # exact number of models required, None for any >= 1
     needs_hidden: ClassVar[bool] = False
     commit_on_send: ClassVar[bool] = False  # default send: commit the sampled token when leaving?
+    route_in_worker: ClassVar[bool] = False  # route is heavy (a router network): run it off the event loop
+    per_request: ClassVar[bool] = True  # may a client pick this policy per request (no trained state)?
 
     def bind(self, model_names: list[str]) -> None:
         """Called once when the router starts."""

@@ -152,7 +152,7 @@ class Server:
             raise ApiError(400, "routing.policy must be a policy name", param="routing.policy")
         try:
             policy = make_policy(name, args)
-            if not getattr(policy, "per_request", True):
+            if not policy.per_request:
                 raise ValueError(f"policy {name!r} cannot change per request (it carries trained state)")
             policy.bind(self.router.names)
         except (ValueError, TypeError) as e:

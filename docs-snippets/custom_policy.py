@@ -1,0 +1,28 @@
+import asyncio, sys
+from aiorouter import Router
+from policies import STAY, PeerReq, Policy
+
+class LowConfidence(Policy):
+    """The small model (0) hands a token to the large model (1) when its top-1 probability is
+    below `threshold`; the large model writes that one token and hands straight back."""
+    name, num_models, threshold = "low-confidence", 2, 0.5
+
+    def route(self, model, result):                     # once per step, for the whole batch
+        if model == 1:
+            return [1] * len(result.reqs)               # large: always back to its peer 1, the small one
+        top1 = result.logits.softmax(-1).max(-1).values
+        return [1 if p < self.threshold else STAY for p in top1.tolist()]
+
+    def send(self, model, req, target):                 # what travels with a request that moves
+        seen = req.seen[target]                         # tokens the peer has already seen
+        keep = [req.sampled] if model == 1 else []      # commit the large model's token, drop the small's
+        return PeerReq(req.rid, req.token_ids[seen:] + keep, loc=seen)
+
+async def main(small, large, prompt="What is 2+2?", policy=None):
+    async with Router({"small": small, "large": large}, policy=policy or LowConfidence()) as router:
+        result = await router.generate(prompt, max_tokens=32)
+        print(result.usage["per_model"], result.text)   # who wrote how many tokens, and the answer
+        return result
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
