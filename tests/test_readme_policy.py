@@ -59,3 +59,11 @@ async def test_snippet_main_runs_on_tiny_models(snippet, tiny_qwen3, capsys):
     res = await snippet["main"](str(tiny_qwen3), str(tiny_qwen3), prompt=PROMPT, policy=pol)
     assert res.token_ids == ref
     assert res.usage["per_model"]["small"] > 5 and res.usage["per_model"]["large"] > 5, res.usage
+
+
+def test_readme_shows_the_tested_snippet_verbatim():
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    snippet = (root / "docs-snippets" / "custom_policy.py").read_text()
+    assert snippet in (root / "README.md").read_text()
+    assert len(snippet.strip().splitlines()) < 30
