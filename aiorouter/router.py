@@ -31,7 +31,7 @@ class Router:
     def __init__(self, models: Mapping[str, str | Path | dict | ModelSpec], policy: str | Policy = "single",
                  policy_args: dict[str, Any] | None = None, entry: str | None = None, device: str = "cpu",
                  mode: str = "delayed", thresholds: object = "auto", max_concurrency: int = 64,
-                 max_wait_ms: float | None = None, kv_memory_gb: float = 2.0):
+                 max_wait_ms: float | None = None, kv_memory_gb: float = 2.0, tune_concurrency: int | None = None):
         if not models:
             raise ValueError("a router needs at least one model")
         self.names = list(models)
@@ -44,6 +44,11 @@ class Router:
         self.mode, self.device, self.max_concurrency = mode, device, max_concurrency
         self.max_wait_s = max_wait_ms / 1000 if max_wait_ms else None
         self.kv_memory_gb = kv_memory_gb
+        self.tune_concurrency = tune_concurrency
+        self.tuner = None  # the DTMC tuner behind thresholds="auto" (aiorouter.tuning)
+        self._decisions = 0
+        self._tuning_task: asyncio.Task | None = None
+        self._closing = False
         self.policy = make_policy(policy, policy_args)
         self.policy.bind(self.names)
         self._threshold_spec = thresholds
@@ -63,6 +68,7 @@ class Router:
     async def start(self) -> "Router":
         if self._started:
             return self
+        self._closing = False
         self._wakeup = asyncio.Event()
         engines = []
         for name, spec in zip(self.names, self.specs):
@@ -78,7 +84,7 @@ class Router:
             self.subservers.append(s)
             self.metrics.models[name] = s.metrics
         if self._thresholds is None:
-            self._thresholds = self._auto_thresholds()
+            self._thresholds = await self._auto_thresholds()
         if self.mode == "sync":
             self._tasks = [asyncio.create_task(self._run_sync(), name="aiorouter-sync")]
         else:
@@ -108,8 +114,76 @@ class Router:
         per_tok = ModelConfig.from_dir(spec.path).kv_bytes_per_token(parse_dtype(spec.dtype))
         return max(ecfg.page_size * 64, int(self.kv_memory_gb * share * 2**30 / per_tok))
 
-    def _auto_thresholds(self) -> dict[int, tuple[int, ...]]:
-        return {n: (1,) * len(self.names) for n in range(1, self.max_concurrency + 1)}
+    async def _auto_thresholds(self) -> dict[int, tuple[int, ...]]:
+        """Profile every model, solve the throughput model for each concurrency, use B*."""
+        ones = {n: (1,) * len(self.names) for n in range(1, self.max_concurrency + 1)}
+        template = self.policy.routing_template()
+        if self.mode != "delayed" or template is None or len(self.names) == 1:
+            return ones
+        from aiorouter.tuning import LatencyModel, TunerConfig, fit_latency
+        from engines.profile import profile_decode_latency
+        cap = self.tune_concurrency or min(self.max_concurrency, 16 if len(self.names) == 2 else 8)
+        sizes = sorted({1, 2, 4, cap})
+        lats = []
+        for s in self.subservers:
+            lat = await asyncio.to_thread(profile_decode_latency, s.engine, sizes)
+            fit = fit_latency(list(lat), list(lat.values()))
+            if fit.c * cap < 0.05 * fit.a:  # a slope inside the noise only multiplies the chain's states
+                fit = LatencyModel(fit(1), 0.0)
+            lats.append(fit)
+            log.info("model %s: decode step %s -> L(b) = %.2f ms + %.3f ms * b", s.name,
+                     ", ".join(f"b={b}: {t * 1e3:.2f} ms" for b, t in lat.items()), fit.a * 1e3, fit.c * 1e3)
+        # ~40 quanta for the fastest step keeps the chain small whatever the absolute latencies
+        delta = min(l(1) for l in lats) / 40
+        P, C = template
+        cfg = TunerConfig.build(P, C, lats, cap, delta=delta)
+        # Solving takes seconds: serve with B = 1 meanwhile and switch when the table is ready.
+        self._tuning_task = asyncio.get_running_loop().create_task(self._solve_initial(cfg, cap))
+        return ones
+
+    async def _solve_initial(self, cfg, cap: int) -> None:
+        from aiorouter.tuning import StateLimitError, Tuner
+        from aiorouter.tuning.online import TuningCancelled
+        try:
+            self.tuner = await asyncio.to_thread(Tuner, cfg, should_stop=lambda: self._closing)
+        except TuningCancelled:
+            return
+        except StateLimitError as e:
+            log.warning("threshold tuning skipped (%s); every threshold stays 1", e)
+            return
+        except Exception as e:  # serving with B = 1 (eager) beats not serving
+            log.exception("threshold tuning failed (%r); every threshold stays 1", e)
+            return
+        self._thresholds = {n: self.tuner.thresholds(min(n, cap)) for n in range(1, self.max_concurrency + 1)}
+        log.info("delayed-batching thresholds: %s", ", ".join(
+            f"N={n}: {dict(zip(self.names, self._thresholds[n]))}" for n in sorted({1, 2, 4, 8, cap}) if n <= cap))
+        for s in self.subservers:
+            s.post(Wake())
+
+    async def wait_tuned(self) -> None:
+        """Wait until the start-up threshold solve (thresholds="auto") is done."""
+        if self._tuning_task is not None:
+            await asyncio.shield(self._tuning_task)
+
+    def observe_route(self, src: int, dst: int, tokens: int) -> None:
+        """Feed the tuner's online estimate of P; re-solve off the loop when it drifts."""
+        if self.tuner is None:
+            return
+        self.tuner.observe(src, dst, tokens)
+        self._decisions += 1
+        if self._decisions % 2000 == 0 and not getattr(self, "_resolving", False):
+            self._resolving = True
+            asyncio.get_running_loop().create_task(self._resolve())
+
+    async def _resolve(self) -> None:
+        try:
+            if await asyncio.to_thread(self.tuner.maybe_resolve):
+                cap = self.tuner.config.max_concurrency
+                self._thresholds = {n: self.tuner.thresholds(min(n, cap)) for n in range(1, self.max_concurrency + 1)}
+        except Exception as e:  # a failed re-solve keeps the current thresholds
+            log.warning("threshold re-solve failed: %r", e)
+        finally:
+            self._resolving = False
 
     def _on_task_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -118,6 +192,9 @@ class Router:
                 self.fail(req, RouterError(f"router task {task.get_name()} died: {task.exception()!r}"))
 
     async def close(self) -> None:
+        self._closing = True
+        if self._tuning_task is not None:
+            self._tuning_task.cancel()
         for req in list(self.requests.values()):
             self.abort(req)
         for t in self._tasks:

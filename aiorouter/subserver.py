@@ -198,6 +198,7 @@ class Subserver:
         r = self.router
         seq = req.local[self.index]
         if dest == 0:
+            r.observe_route(self.index, self.index, 1)
             seq.token_ids.append(token)
             req.seen[self.index] = len(seq.token_ids)
             seq.t_ready = time.perf_counter()
@@ -214,6 +215,7 @@ class Subserver:
             r.fail(req, e if isinstance(e, RouterError) else RouterError(f"handoff from {self.name!r} failed: {e}"))
             return
         new = pr.tokens[committed:]
+        r.observe_route(self.index, target, len(new))
         if new:
             r.commit(req, new, self.index)
             if req.finished:

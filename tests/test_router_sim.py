@@ -109,3 +109,24 @@ def test_runs_on_uvloop_and_from_asyncio_run():
     loop_type, res = aiorouter.run(main())
     assert loop_type.startswith("uvloop") and len(res.token_ids) == 5
     assert asyncio.run(main())[1].token_ids == res.token_ids
+
+
+def test_auto_thresholds_come_from_the_throughput_model():
+    """thresholds="auto": the router profiles its models, solves the DTMC, and runs with B*."""
+    from aiorouter.tuning import SystemSpec, best_thresholds
+
+    async def main():
+        async with Router({"small": {"engine": "sim", "latency_ms": 6.0}, "large": {"engine": "sim", "latency_ms": 27.9}},
+                          policy="random", policy_args={"p": 0.35}, tune_concurrency=6) as r:
+            assert r._thresholds[4] == (1, 1)  # serving starts at once, eagerly
+            await r.wait_tuned()
+            lat = r.tuner.config.latency
+            spec = SystemSpec.build([[0.65, 0.35], [1, 0]], [[1, 0], [1, 0]], list(lat), r.tuner.config.delta)
+            for n in (2, 4, 6):
+                assert r._thresholds[n] == best_thresholds(spec, n).best
+            assert r._thresholds[4][1] >= 2  # the paper's finding: the large model waits for a batch
+            assert r._thresholds[20] == r._thresholds[6]  # past the solved range: its last row
+            await closed_loop(r, 4, total_requests=4, max_tokens=20)
+            assert r.tuner.estimator.observations > 0  # routing decisions feed the online estimate of P
+
+    asyncio.run(main())

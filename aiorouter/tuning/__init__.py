@@ -1,0 +1,31 @@
+"""DTMC throughput model and delayed-batching threshold tuning (DTMC.md).
+
+Pure numpy/scipy: nothing here imports torch or `engines`.
+"""
+
+from .compare import ComparisonTable, LatencyComparison, compare_latency_models
+from .dtmc import DEFAULT_MAX_STATES, DTMCResult, solve_dtmc, solve_many, throughput
+from .latency import LatencyModel, fit_latency
+from .online import RoutingEstimator, Tuner, TunerConfig
+from .search import (
+    SearchResult,
+    SolveCache,
+    ThresholdTable,
+    best_thresholds,
+    feasible_thresholds,
+    solve_grid,
+    threshold_table,
+)
+from .simulate import SimulationResult, simulate
+from .spec import DEFAULT_DELTA, ModelSpec, is_feasible
+
+SystemSpec = ModelSpec  # the name to use beside aiorouter.ModelSpec (one cooperating model)
+from ._statespace import StateLimitError
+
+__all__ = [
+    "ComparisonTable", "DEFAULT_DELTA", "DEFAULT_MAX_STATES", "DTMCResult", "LatencyComparison",
+    "LatencyModel", "ModelSpec", "SystemSpec", "RoutingEstimator", "SearchResult", "SimulationResult",
+    "SolveCache", "StateLimitError", "ThresholdTable", "Tuner", "TunerConfig", "best_thresholds",
+    "compare_latency_models", "feasible_thresholds", "fit_latency", "is_feasible", "simulate",
+    "solve_dtmc", "solve_grid", "solve_many", "threshold_table", "throughput",
+]
