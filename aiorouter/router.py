@@ -380,15 +380,16 @@ class Router:
             self.abort(req)
 
     async def generate(self, prompt: Prompt, **kwargs: Any) -> GenerateResult:
+        req = self.submit(prompt, **kwargs)
         ids, models, text, reason = [], [], [], ""
-        async for ev in self.stream(prompt, **kwargs):
-            if ev.token_id is not None:
-                ids.append(ev.token_id)
-                models.append(ev.model)
-            text.append(ev.text)
-            reason = ev.finish_reason or reason
-        per_model = {n: models.count(n) for n in self.names}
-        prompt_tokens = len(self._prompt_ids(prompt))
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
-                 "total_tokens": prompt_tokens + len(ids), "per_model": per_model}
+        async with contextlib.aclosing(self.events(req)) as events:
+            async for ev in events:
+                if ev.token_id is not None:
+                    ids.append(ev.token_id)
+                    models.append(ev.model)
+                text.append(ev.text)
+                reason = ev.finish_reason or reason
+        n_prompt = req.num_prompt_tokens
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": len(ids), "total_tokens": n_prompt + len(ids),
+                 "per_model": {n: models.count(n) for n in self.names}}
         return GenerateResult("".join(text), ids, models, reason, usage)
