@@ -22,8 +22,61 @@ class AttnContext(NamedTuple):
     backend: AttentionBackend
     meta: object  # from backend.plan for this step
     kv: KVPool
-    cos: torch.Tensor  # [T, D] rotary cos for each token's position
-    sin: torch.Tensor  # [T, D]
+    cos: torch.Tensor  # [T, 1, D] rotary cos for each token's position, in the model dtype
+    sin: torch.Tensor  # [T, 1, D] rotary sin with rotate_half's sign folded in (see `signed_sin`)
+
+
+# oneDNN linear on a pre-packed weight (what inductor's CPU freezing pass emits); None if absent
+_onednn_linear = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)
+
+
+def _onednn_ok(w: torch.Tensor) -> bool:
+    if w.device.type != "cpu" or _onednn_linear is None or not torch.backends.mkldnn.is_available():
+        return False
+    if w.dtype == torch.float32:
+        return True
+    return w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` that, once `pack`ed, runs on a oneDNN copy of its weight in oneDNN's blocked layout.
+
+    `F.linear` hands MKL (fp32) or oneDNN (bf16) the row-major weight on every call; the
+    pre-packed weight runs 1.2-3x faster on the skinny activations of decode (AVX-512, SmolLM2
+    shapes: fp32 M=1 GEMVs reach 40-58 GB/s instead of 18, lm_head 6.3 ms -> 2.0 ms at 2 threads;
+    fp32 M=32 2-3x; bf16 M=1 ~2x, M=32 ~1.2x). Numerics: same products, another summation order
+    (fp32 outputs differ by ~1e-6 relative). Inference only: packing drops the dense weight
+    unless something else shares it (a tied lm_head keeps the embedding).
+    """
+
+    packed: torch.Tensor | None = None
+
+    def pack(self, keep_dense: bool = False) -> bool:
+        """Pack the weight for oneDNN; False (and unchanged) where oneDNN cannot run it."""
+        if self.packed is not None:
+            return True
+        w = self.weight.detach()
+        if not _onednn_ok(w):
+            return False
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            probe = torch.linspace(-1, 1, self.in_features, dtype=w.dtype)[None]  # [1, in]
+            ok = torch.allclose(_onednn_linear(probe, packed, self.bias, "none", [], ""),
+                                F.linear(probe, w, self.bias), rtol=1e-2, atol=1e-2)
+        except RuntimeError:
+            return False
+        if not ok:
+            return False
+        self.packed = packed
+        if not keep_dense:
+            self.weight = None  # the packed copy replaces it (saves the weight's memory again)
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [T, in] -> [T, out]
+        if self.packed is not None:
+            return _onednn_linear(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -33,15 +86,28 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 statistics as in HF, so bf16 runs match it and fp32 runs match exactly
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # float32 statistics as in HF, in one ATen call instead of seven Python-level ops (16 -> 8 us
+        # per call at T=1). fp32 results are bit-equal to HF's formula (checked on 200 random
+        # inputs); in bf16 it rounds once where HF rounds twice (at most 1 bf16 ulp apart).
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [..., D] -> [-sin[..., :D/2], sin[..., D/2:]], so rotate_half(x) * sin == x.roll(D/2) * signed_sin."""
+    s1, s2 = sin.chunk(2, dim=-1)
+    return torch.cat((-s1, s2), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D], cos/sin_signed [T, 1, D] -> x * cos + rotate_half(x) * sin, in 3 ops
+    (roll is one kernel where rotate_half is chunk + neg + cat). Applied to q and k together,
+    with cos/sin cast once per step: 27 -> 7 us per layer at T=1 (fp32)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
 
 def rope_cache(cfg: ModelConfig, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,33 +139,33 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q, k, v = q.view(T, self.h, self.d), k.view(T, self.hkv, self.d), v.view(T, self.hkv, self.d)
+        T, h, d = x.shape[0], self.h, self.d
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        qk = qkv[:, :(h + self.hkv) * d].view(T, h + self.hkv, d)  # q and k heads side by side
+        v = qkv[:, (h + self.hkv) * d:].view(T, self.hkv, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = ctx.cos[:, None, :].to(q.dtype), ctx.sin[:, None, :].to(q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        qk = apply_rotary(qk, ctx.cos, ctx.sin)  # one rotary for q and k together
+        q, k = qk[:, :h], qk[:, h:]  # [T, H, D], [T, Hkv, D]
         o = ctx.backend.forward(q, k, v, ctx.kv.k[self.layer_idx], ctx.kv.v[self.layer_idx], ctx.meta)
-        return self.o_proj(o.reshape(T, self.h * self.d))
+        return self.o_proj(o.reshape(T, h * d))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -122,7 +188,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -136,3 +202,13 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> logits [B, vocab] in float32."""
         return self.lm_head(hidden).float()
+
+    def pack_weights(self) -> int:
+        """Pre-pack every linear layer for oneDNN (CPU fp32/bf16; a no-op elsewhere). Call once,
+        after loading: the model is inference-only afterwards. Returns how many were packed."""
+        tied = self.lm_head.weight is self.embed_tokens.weight
+        n = 0
+        for name, m in self.named_modules():
+            if isinstance(m, Linear):
+                n += m.pack(keep_dense=tied and m is self.lm_head)  # the embedding still reads it
+        return n

@@ -8,7 +8,7 @@ import torch
 from engines.attention import AttentionBackend, BatchLayout, select_backend
 from engines.config import EngineConfig, ModelConfig
 from engines.kv_cache import KVPool
-from engines.model import AttnContext, CausalLM, rope_cache
+from engines.model import AttnContext, CausalLM, rope_cache, signed_sin
 from engines.sampling import sample
 from engines.sequence import Sequence
 
@@ -34,7 +34,11 @@ class ModelRunner:
         self.page_size = ecfg.page_size
         self.kv = KVPool(cfg, ecfg.num_pages, ecfg.page_size, dtype, device)
         self.backend = backend or select_backend(device)
-        self.cos, self.sin = rope_cache(cfg, max_model_len, device)
+        if device.type == "cpu":
+            model.pack_weights()  # oneDNN-packed linears: see model.Linear
+        cos, sin = rope_cache(cfg, max_model_len, device)  # [max_len, D] fp32
+        # Cast once here (HF casts per layer, to the same values) and fold rotate_half's sign into sin.
+        self.cos, self.sin = cos.to(dtype)[:, None, :], signed_sin(sin).to(dtype)[:, None, :]  # [max_len, 1, D]
 
     def layout(self, batch: list[ScheduledSeq]) -> tuple[BatchLayout, torch.Tensor, torch.Tensor]:
         """-> (layout, input_ids [T], positions [T]). `batch` must list decodes first."""
@@ -66,10 +70,12 @@ class ModelRunner:
     def run(self, batch: list[ScheduledSeq], want_hidden: bool = False) -> ForwardOutput:
         """Compute the scheduled tokens, write their K/V, and sample for every sequence whose
         known tokens are now all computed (a mid-prompt prefill chunk samples nothing)."""
-        batch = sorted(batch, key=lambda s: not (s.num_tokens == 1 and s.seq.num_computed_tokens > 0))
+        # decodes first, longest context first: the attention backend pads decodes by length group
+        batch = sorted(batch, key=lambda s: (not (s.num_tokens == 1 and s.seq.num_computed_tokens > 0),
+                                             -s.seq.num_computed_tokens))
         layout, input_ids, positions = self.layout(batch)
         meta = self.backend.plan(layout)
-        ctx = AttnContext(self.backend, meta, self.kv, self.cos[positions], self.sin[positions])
+        ctx = AttnContext(self.backend, meta, self.kv, self.cos[positions], self.sin[positions])  # cos/sin [T, 1, D]
         hidden = self.model(input_ids, ctx)  # [T, hidden]
         rows, seqs, end = [], [], 0
         for seq, n in batch:
