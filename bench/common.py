@@ -115,3 +115,37 @@ def write_json(name: str, data: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **data}, indent=2, default=str))
     return path
+
+
+class OutsideLoad:
+    """CPU used by *other* processes while a block runs, in cores (0 = the machine was ours).
+    The load average cannot tell: it counts this benchmark's own threads too."""
+
+    def __init__(self) -> None:
+        self.cores: float | None = None
+
+    @staticmethod
+    def _machine_busy_s() -> float | None:
+        try:
+            f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = f[3] + (f[4] if len(f) > 4 else 0)
+        return (sum(f[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _self_s() -> float:
+        import resource
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    def __enter__(self) -> "OutsideLoad":
+        self._t, self._m, self._s = time.perf_counter(), self._machine_busy_s(), self._self_s()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        m = self._machine_busy_s()
+        if m is None or self._m is None:
+            return
+        wall = time.perf_counter() - self._t
+        self.cores = max(0.0, ((m - self._m) - (self._self_s() - self._s)) / wall) if wall > 0 else None

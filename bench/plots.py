@@ -1,0 +1,153 @@
+"""Plots of a bench/run.py JSON (matplotlib, Agg):
+
+* ``<name>-throughput.png``: output tokens/s vs concurrency N, one line per system, one panel per
+  (pair, workload);
+* ``<name>-tradeoff.png``: throughput vs per-user speed as N grows (the paper's Figure 1b), one
+  panel per (pair, workload);
+* ``<name>-ablation.png``: sync / eager / delayed throughput at each N (one panel per pair, on
+  low-effort or the first workload measured).
+
+    python -m bench.plots bench/results/full.json
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+STYLE = {"aiorouter": ("tab:red", "o", "-"), "eager": ("tab:orange", "s", "--"), "sync": ("tab:brown", "v", "--"),
+         "std-serving": ("tab:blue", "^", "-"), "hf-naive": ("tab:purple", "D", "-"),
+         "large-alone": ("tab:gray", "x", ":"), "small-alone": ("tab:green", "+", ":")}
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _series(cell: dict, system: str, key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for n in sorted(cell, key=int):
+        r = cell[n].get(system)
+        if r and not r.get("error") and r.get(key) is not None:
+            xs.append(int(n))
+            ys.append(r[key])
+    return xs, ys
+
+
+def _panels(data: dict) -> list[tuple[str, str, dict]]:
+    return [(p, w, cell) for p, wls in data["results"].items() for w, cell in wls.items()]
+
+
+def _grid(plt, k: int, w: float = 4.6, h: float = 3.6):
+    cols = min(3, max(1, k))
+    rows = -(-k // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(max(w * cols, 7.5), h * rows), squeeze=False)
+    for ax in axes.flat[k:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat)
+
+
+def _label(data: dict, s: str) -> str:
+    return data.get("systems", {}).get(s, s)
+
+
+def throughput(data: dict, path: Path) -> Path:
+    plt = _plt()
+    panels = _panels(data)
+    fig, axes = _grid(plt, len(panels))
+    for ax, (pair, wl, cell) in zip(axes, panels):
+        for s in data["config"]["systems"]:
+            xs, ys = _series(cell, s, "tok_s")
+            if xs:
+                c, m, ls = STYLE.get(s, ("k", ".", "-"))
+                ax.plot(xs, ys, color=c, marker=m, linestyle=ls, label=_label(data, s))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ns = sorted({int(n) for n in cell})
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set_xlabel("concurrency N (closed-loop clients)")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"{pair}, {wl}")
+        ax.grid(alpha=0.3)
+    handles, labels = next(iter(axes)).get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def tradeoff(data: dict, path: Path) -> Path:
+    plt = _plt()
+    panels = _panels(data)
+    fig, axes = _grid(plt, len(panels))
+    for ax, (pair, wl, cell) in zip(axes, panels):
+        for s in data["config"]["systems"]:
+            ns, thr = _series(cell, s, "tok_s")
+            ns2, per_user = _series(cell, s, "per_user_tok_s")
+            keep = [n for n in ns if n in ns2]
+            if not keep:
+                continue
+            x = [per_user[ns2.index(n)] for n in keep]
+            y = [thr[ns.index(n)] for n in keep]
+            c, m, ls = STYLE.get(s, ("k", ".", "-"))
+            ax.plot(x, y, color=c, marker=m, linestyle=ls, label=_label(data, s))
+            for n, xi, yi in zip(keep, x, y):
+                ax.annotate(f"{n}", (xi, yi), textcoords="offset points", xytext=(3, 3), fontsize=7, color=c)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("per-user speed (tokens/s, median request)")
+        ax.set_ylabel("throughput (output tokens/s)")
+        ax.set_title(f"{pair}, {wl}: N = 1 .. 16")
+        ax.grid(alpha=0.3)
+    handles, labels = next(iter(axes)).get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def ablation(data: dict, path: Path) -> Path:
+    plt = _plt()
+    modes = [m for m in ("sync", "eager", "aiorouter") if m in data["config"]["systems"]]
+    pairs = list(data["results"])
+    fig, axes = _grid(plt, max(1, len(pairs)), 5.2, 3.6)
+    for ax, pair in zip(axes, pairs):
+        wls = data["results"][pair]
+        wl = "low-effort" if "low-effort" in wls else next(iter(wls))
+        cell = wls[wl]
+        ns = sorted(cell, key=int)
+        width = 0.8 / max(1, len(modes))
+        for k, m in enumerate(modes):
+            ys = [(cell[n].get(m) or {}).get("tok_s") or 0.0 for n in ns]
+            xs = [i + (k - (len(modes) - 1) / 2) * width for i in range(len(ns))]
+            ax.bar(xs, ys, width, color=STYLE[m][0], label={"aiorouter": "delayed"}.get(m, m))
+        ax.set_xticks(range(len(ns)), [f"N={n}" for n in ns])
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"execution modes: {pair}, {wl}")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def make_all(data: dict, out_dir: Path, name: str) -> list[Path]:
+    out_dir = Path(out_dir)
+    if not any(cell for wls in data["results"].values() for cell in wls.values()):
+        return []
+    out = [throughput(data, out_dir / f"{name}-throughput.png"), tradeoff(data, out_dir / f"{name}-tradeoff.png")]
+    if any(m in data["config"]["systems"] for m in ("sync", "eager", "aiorouter")):
+        out.append(ablation(data, out_dir / f"{name}-ablation.png"))
+    return out
+
+
+if __name__ == "__main__":
+    src = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "results" / "full.json")
+    for p in make_all(json.loads(src.read_text()), src.parent, src.stem):
+        print(p)
