@@ -41,7 +41,11 @@ def test_paged_meta_matches_torch_reference(seed):
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     layout = BatchLayout(3, q_lens, kv_lens, torch.zeros(sum(q_lens), dtype=torch.int64), bt, ps)
     tmeta = TorchBackend().plan(layout)
-    ref = [tmeta.decode_slots[i, :kv_lens[i]].tolist() for i in range(3)]
+    ref, off = [], 0
+    for g in tmeta.decode_groups:  # decode slots are stored group after group, each [n, max_kv]
+        rows = tmeta.decode_slots[off:off + (g.end - g.start) * g.max_kv].view(-1, g.max_kv)
+        ref += [rows[i - g.start, :kv_lens[i]].tolist() for i in range(g.start, g.end)]
+        off += (g.end - g.start) * g.max_kv
     for i, e in enumerate(tmeta.extends, start=3):
         ref.append(e.kv_slots.tolist() if e.kv_slots is not None else
                    [tables[i][t // ps] * ps + t % ps for t in range(kv_lens[i])])
