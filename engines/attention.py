@@ -117,10 +117,13 @@ class TorchBackend(AttentionBackend):
             for a, b in _group_decodes(lens):
                 max_kv = max(lens[a:b])
                 pos = torch.arange(max_kv, device=dev)
-                slots.append((bt[a:b, pos // ps] * ps + pos % ps).view(-1))  # [n * max_kv]
+                sl = bt[a:b, pos // ps] * ps + pos % ps  # [n, max_kv]
                 mask = None
                 if min(lens[a:b]) != max_kv:
-                    mask = (pos[None, :] < torch.tensor(lens[a:b], device=dev)[:, None])[:, None, None, :]
+                    valid = pos[None, :] < torch.tensor(lens[a:b], device=dev)[:, None]
+                    sl = sl.masked_fill(~valid, -1)  # padding: read the pool's zeroed null slot
+                    mask = valid[:, None, None, :]
+                slots.append(sl.view(-1))  # [n * max_kv]
                 groups.append(_DecodeGroup(a, b, max_kv, mask))
             decode_slots = torch.cat(slots) if len(slots) > 1 else slots[0]
         extends, q0 = [], nd
@@ -148,10 +151,12 @@ class TorchBackend(AttentionBackend):
             rows = meta.memo.get(hkv)
             if rows is None:  # once per step: rows (slot * Hkv + head) of the cache seen as [slots * Hkv, D]
                 heads = torch.arange(hkv, device=q.device)
+                null_slot = k_cache.shape[0] - 1  # KVPool's zeroed extra slot
                 rows, off = [], 0
                 for g in meta.decode_groups:  # slots [n * max_kv] -> rows head-major [n, Hkv, max_kv]
                     n_kv = (g.end - g.start) * g.max_kv
                     sl = meta.decode_slots[off:off + n_kv].view(-1, 1, g.max_kv)
+                    sl = torch.where(sl < 0, null_slot, sl)
                     rows.append((sl * hkv + heads[None, :, None]).view(-1))
                     off += n_kv
                 rows = meta.memo[hkv] = torch.cat(rows) if len(rows) > 1 else rows[0]

@@ -58,7 +58,8 @@ class FlashInferBackend(AttentionBackend):
         v_cache.index_copy_(0, meta.slot_mapping, v)
         # the pool is [num_slots, Hkv, D]; flashinfer's NHD pages are [num_pages, page_size, Hkv, D]
         ps = meta.page_size
-        kv = (k_cache.view(-1, ps, *k_cache.shape[1:]), v_cache.view(-1, ps, *v_cache.shape[1:]))
+        n = k_cache.shape[0] - 1  # drop the pool's null slot (the torch backend's padding target)
+        kv = (k_cache[:n].view(-1, ps, *k_cache.shape[1:]), v_cache[:n].view(-1, ps, *v_cache.shape[1:]))
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if meta.has_decode:

@@ -14,14 +14,22 @@ from engines.config import ModelConfig
 class KVPool:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
         self.num_pages, self.page_size = num_pages, page_size
-        shape = (cfg.num_hidden_layers, num_pages * page_size, cfg.num_key_value_heads, cfg.head_dim)
+        # One extra, zeroed slot at the end (`null_slot`): padded attention positions read it, so
+        # they never read never-written memory (NaN garbage there would poison 0-weight terms).
+        shape = (cfg.num_hidden_layers, num_pages * page_size + 1, cfg.num_key_value_heads, cfg.head_dim)
         # torch.empty: untouched pages cost no resident memory on CPU.
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k[:, -1].zero_()
+        self.v[:, -1].zero_()
 
     @property
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
+
+    @property
+    def null_slot(self) -> int:
+        return self.num_slots
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2

@@ -123,3 +123,17 @@ def test_sim_engine_sleeps_its_latency():
     dt = time.perf_counter() - t0
     assert dt >= 10 * (0.004 + 0.002 * 4)
     assert e.runner.num_batches == 10
+
+
+def test_never_written_kv_cannot_poison_padded_decodes(tiny_qwen3):
+    """Decodes of different lengths are padded; padding must not read never-written KV slots
+    (a reused heap block can hold NaN, and 0 * NaN is NaN)."""
+    ref = Engine.from_pretrained(tiny_qwen3, num_kv_tokens=1024)
+    prompts = [[5, 6, 7], list(range(2, 40)), [9] * 17]
+    want = [o.token_ids for o in ref.generate(prompts, max_tokens=12, temperature=0.0, ignore_eos=True)]
+    poisoned = Engine.from_pretrained(tiny_qwen3, num_kv_tokens=1024)
+    kv = poisoned.runner.kv
+    kv.k[:, :kv.num_slots].fill_(float("nan"))
+    kv.v[:, :kv.num_slots].fill_(float("nan"))
+    got = [o.token_ids for o in poisoned.generate(prompts, max_tokens=12, temperature=0.0, ignore_eos=True)]
+    assert got == want

@@ -45,6 +45,7 @@ def test_paged_meta_matches_torch_reference(seed):
     for g in tmeta.decode_groups:  # decode slots are stored group after group, each [n, max_kv]
         rows = tmeta.decode_slots[off:off + (g.end - g.start) * g.max_kv].view(-1, g.max_kv)
         ref += [rows[i - g.start, :kv_lens[i]].tolist() for i in range(g.start, g.end)]
+        assert all(x == -1 for i in range(g.start, g.end) for x in rows[i - g.start, kv_lens[i]:].tolist())
         off += (g.end - g.start) * g.max_kv
     for i, e in enumerate(tmeta.extends, start=3):
         ref.append(e.kv_slots.tolist() if e.kv_slots is not None else
