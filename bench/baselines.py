@@ -259,6 +259,8 @@ class BatchResult:
     tokens: list[list[int]] = field(default_factory=list)  # per request: output token ids
     large_forwards: int = 0
     small_forwards: int = 0
+    small_tokens: int = 0  # token positions run through the small model (padding included)
+    large_tokens: int = 0
     small_s: float = 0.0  # time in the small model's forwards (routing included)
     large_s: float = 0.0
 
@@ -304,6 +306,10 @@ class HFNaive:
             """Catch model m up over the columns it has not seen (all rows alike: lock-step)
             and return its next-token logits for every row, [B, V]."""
             s = seen[m]
+            if m == SMALL:
+                res.small_tokens += B * (L - s)
+            else:
+                res.large_tokens += B * (L - s)
             out = self.models[m](input_ids=ids[:, s:L], attention_mask=mask[:, :L] if padded else None,
                                  position_ids=pos[:, s:L], cache=caches[m], use_cache=True, logits_to_keep=1)
             seen[m] = L

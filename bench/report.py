@@ -1,8 +1,6 @@
 """Markdown tables from a bench/run.py JSON.
 
     python -m bench.report bench/results/full.json [bench/RESULTS-full.md]
-
-A file ``<json stem>-notes.md`` next to the JSON, if present, is appended (profile findings).
 """
 from __future__ import annotations
 
@@ -73,6 +71,33 @@ def by_workload_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _system_of(spec: str) -> tuple[str, str]:
+    s, n = spec.split("@N=")
+    return s, n
+
+
+def breakdown_table(data: dict) -> str:
+    """For every ratio: where each side's time went (from the run's own counters)."""
+    lines = ["| ratio | system @ N | tok/s | mean batch (small/large) | step ms (small/large) | busy % (small/large) | "
+             "tokens computed per output token (small/large) |", "|---|---|---|---|---|---|---|"]
+    any_row = False
+    for r in data["ratios"]:
+        cell = data["results"].get(r["pair"], {}).get(r["workload"], {})
+        for spec in (r["numerator"], r["denominator"]):
+            s, n = _system_of(spec)
+            row = cell.get(n, {}).get(s)
+            if not row or row.get("error"):
+                continue
+            any_row = True
+            pick = lambda d, nd=1, sc=1.0: "/".join(_f((d or {}).get(k), nd, sc) for k in ("small", "large") if k in (d or {})) or "-"
+            tc = row.get("tokens_computed")
+            per = {k: v / max(1, row["tokens"]) for k, v in tc.items()} if tc else None
+            lines.append(f"| {r['name']} | {data.get('systems', {}).get(s, s)} @ {n} | {_f(row['tok_s'])} | "
+                         f"{pick(row.get('mean_batch'))} | {pick(row.get('step_ms'))} | {pick(row.get('busy'), 0, 100)} | "
+                         f"{pick(per, 2)} |")
+    return "\n".join(lines) if any_row else ""
+
+
 def render(data: dict, pngs: list | None = None, notes: str | None = None) -> str:
     m, c = data["machine"], data["config"]
     title = "quick run (tiny settings: the figures are not meaningful)" if c.get("quick") else "full sweep"
@@ -97,6 +122,12 @@ def render(data: dict, pngs: list | None = None, notes: str | None = None) -> st
                                    f"{v['policy']} {v['policy_args']}" for p, v in data["pairs"].items()),
            "- workloads: " + "; ".join(f"{w}: {v['description']}" for w, v in data["workloads"].items()),
            "", "## Targets", "", ratio_table(data["ratios"]), ""]
+    bd = breakdown_table(data)
+    if bd:
+        out += ["### Where the time goes (each ratio's two sides)", "",
+                "busy = share of the measured run a model's worker spent inside steps; tokens computed = tokens a "
+                "model ran through its layers (prompt prefill and catch-up extends included) per output token.", "",
+                bd, ""]
     bw = by_workload_table(data.get("ratios_by_workload") or [])
     if bw:
         out += ["## The same ratios on every pair and workload (context)", "",
@@ -114,12 +145,7 @@ def render(data: dict, pngs: list | None = None, notes: str | None = None) -> st
 
 def write(data: dict, md: Path, pngs: list | None = None) -> Path:
     md = Path(md)
-    notes = None
-    jp = data.get("json_path")
-    if jp:
-        npath = Path(jp).with_name(Path(jp).stem + "-notes.md")
-        if npath.is_file():
-            notes = npath.read_text()
+    notes = data.get("notes")
     md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(render(data, pngs, notes))
     return md

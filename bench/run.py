@@ -117,6 +117,7 @@ async def _router_run(pair: Pair, system: str, wl: W.Workload, n: int, total: in
             async for ev in r.stream(p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
                 yield ev.model
 
+        computed = _count_computed(r)
         wait_tuned = getattr(r, "wait_tuned", None)
         if wait_tuned is not None:  # measure the tuned thresholds, not the B=1 stand-in used while solving
             await wait_tuned()
@@ -125,8 +126,10 @@ async def _router_run(pair: Pair, system: str, wl: W.Workload, n: int, total: in
             m.steps, m.step_time_sum, m.admission_delay_sum, m.admission_delay_count = 0, 0.0, 0.0, 0
             m.batch_sizes.clear()
         r.metrics.handoffs.clear()
+        computed.clear()
         res = await closed_loop(send, n, wl.prompts, total)
         out = res.summary()
+        out["tokens_computed"] = dict(computed)  # tokens each model ran through its layers (extends included)
         if system in ROUTER_MODES:
             out["thresholds"] = dict(zip(r.names, r._thresholds[min(max(n, 1), r.max_concurrency)]))
             out["handoffs"] = sum(r.metrics.handoffs.values())
@@ -136,6 +139,22 @@ async def _router_run(pair: Pair, system: str, wl: W.Workload, n: int, total: in
         out["busy"] = {k: m.step_time_sum / res.seconds for k, m in r.metrics.models.items()}  # share of the run inside steps
         out["admission_delay_ms"] = {k: 1000 * m.mean_admission_delay for k, m in r.metrics.models.items()}
         return out
+
+
+def _count_computed(r) -> dict:
+    """Instrument each subserver's runner (an instance attribute on the bench's own router; no
+    runtime code changes) to count the tokens every model computes, prefill and catch-up
+    extends included."""
+    counts: dict[str, int] = {}
+    for s in r.subservers:
+        run = s.engine.runner.run
+
+        def counting(batch, want_hidden=False, _run=run, _name=s.name):
+            counts[_name] = counts.get(_name, 0) + sum(n for _, n in batch)
+            return _run(batch, want_hidden)
+
+        s.engine.runner.run = counting
+    return counts
 
 
 async def _std_run(pair: Pair, wl: W.Workload, n: int, total: int, opts: Opts) -> dict:
@@ -150,6 +169,7 @@ async def _std_run(pair: Pair, wl: W.Workload, n: int, total: int, opts: Opts) -
                                                                        "prefill_tokens", "decode_tokens", "busy_s")}
                           for k in after}
         out["busy"] = {k: v["busy_s"] / res.seconds for k, v in out["servers"].items()}
+        out["tokens_computed"] = {k: v["prefill_tokens"] + v["decode_tokens"] for k, v in out["servers"].items()}
         out["step_ms"] = {k: 1000 * v["busy_s"] / max(1, v["steps"]) for k, v in out["servers"].items()}
         for k, v in out["servers"].items():
             v["mean_batch"] = (after[k]["mean_batch"] * after[k]["steps"] - before[k]["mean_batch"] * before[k]["steps"]) \
@@ -165,6 +185,7 @@ def _hf_run(hf: HFNaive, wl: W.Workload, n: int, total: int) -> dict:
     small = large = 0
     forwards = {"small": 0, "large": 0}
     busy = {"small": 0.0, "large": 0.0}
+    computed = {"small": 0, "large": 0}
     i = 0
     t0 = time.perf_counter()
     while i < total:  # a closed loop of n clients = successive static batches of n
@@ -175,6 +196,8 @@ def _hf_run(hf: HFNaive, wl: W.Workload, n: int, total: int) -> dict:
         forwards["large"] += b.large_forwards
         busy["small"] += b.small_s
         busy["large"] += b.large_s
+        computed["small"] += b.small_tokens
+        computed["large"] += b.large_tokens
         for tr in b.traces:
             res.tokens += len(tr)
             res.ttft.append(b.t_first)
@@ -188,6 +211,7 @@ def _hf_run(hf: HFNaive, wl: W.Workload, n: int, total: int) -> dict:
     out = res.summary()
     out["forwards"] = forwards
     out["threads"] = hf.threads
+    out["tokens_computed"] = computed  # padded batch rows included
     out["busy"] = {k: v / res.seconds for k, v in busy.items()}
     out["step_ms"] = {k: 1000 * busy[k] / max(1, forwards[k]) for k in busy}
     out["mean_batch"] = {"small": float(n), "large": float(n)}  # static batches: every forward is the whole batch
