@@ -28,6 +28,9 @@ async def run_mode(mode: str, n: int, prompts, tokens: int, total: int, small: P
                 yield ev.model
 
         await closed_loop(send, 1, prompts, 1)  # warm-up
+        # Measure the tuned thresholds: while the start-up solve runs, `delayed` serves with B = 1
+        # and the solver shares the cores with the models.
+        await r.wait_tuned()
         res = await closed_loop(send, n, prompts, total)
         out = res.summary()
         out["thresholds"] = dict(zip(r.names, r._thresholds[min(n, r.max_concurrency)]))
