@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping
 
 from aiorouter.batching import parse_thresholds
+from aiorouter.cpu_threads import resolve_threads
 from aiorouter.metrics import RouterMetrics
 from aiorouter.request import (GenerateResult, Kick, NewRequest, Release, ReqStatus, RouterError, RouterRequest,
                                StreamEvent, Wake)
@@ -31,7 +31,8 @@ class Router:
     def __init__(self, models: Mapping[str, str | Path | dict | ModelSpec], policy: str | Policy = "single",
                  policy_args: dict[str, Any] | None = None, entry: str | None = None, device: str = "cpu",
                  mode: str = "delayed", thresholds: object = "auto", max_concurrency: int = 64,
-                 max_wait_ms: float | None = None, kv_memory_gb: float = 2.0, tune_concurrency: int | None = None):
+                 max_wait_ms: float | None = None, kv_memory_gb: float = 2.0, tune_concurrency: int | None = None,
+                 threads: int | Mapping[str, int] | None = None):
         if not models:
             raise ValueError("a router needs at least one model")
         self.names = list(models)
@@ -45,6 +46,8 @@ class Router:
         self.max_wait_s = max_wait_ms / 1000 if max_wait_ms else None
         self.kv_memory_gb = kv_memory_gb
         self.tune_concurrency = tune_concurrency
+        resolve_threads(threads, self.names, [0] * len(self.names))  # bad input fails here, not at start()
+        self._threads_spec = threads
         self.tuner = None  # the DTMC tuner behind thresholds="auto" (aiorouter.tuning)
         self._decisions = 0
         self._tuning_task: asyncio.Task | None = None
@@ -78,9 +81,9 @@ class Router:
             raise ValueError(f"all models must share one vocabulary; vocab sizes differ: {vocab}")
         self.tokenizer = engines[self.entry].tokenizer
         self.max_model_len = min(e.max_model_len for e in engines)
-        threads = max(1, (os.cpu_count() or 1) // len(engines)) if self.device == "cpu" else 1
+        threads = self._intra_op_threads(engines)
         for i, (name, eng) in enumerate(zip(self.names, engines)):
-            s = Subserver(self, i, name, eng, threads)
+            s = Subserver(self, i, name, eng, threads[i])
             self.subservers.append(s)
             self.metrics.models[name] = s.metrics
         if self._thresholds is None:
@@ -93,6 +96,12 @@ class Router:
             t.add_done_callback(self._on_task_done)
         self._started = True
         return self
+
+    def _intra_op_threads(self, engines: list[Engine]) -> list[int]:
+        """Intra-op threads of each model's worker (CPU only; on GPU the worker just launches kernels)."""
+        if self.device != "cpu":
+            return [1] * len(engines)
+        return resolve_threads(self._threads_spec, self.names, [e.num_params for e in engines])
 
     def _build_engine(self, name: str, spec: ModelSpec) -> Engine:
         ecfg = spec.engine_config

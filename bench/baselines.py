@@ -31,6 +31,7 @@ from typing import AsyncIterator
 import numpy as np
 import torch
 
+from aiorouter.cpu_threads import plan_threads
 from engines import Engine, EngineConfig, SamplingParams
 from engines.config import ModelConfig
 from policies.rstitch import normalized_entropy
@@ -107,12 +108,16 @@ class EngineServer:
     fresh request: admitted, prefix-matched against the cache, extended over the tokens the
     cache lacks, sampled once, finished (its full pages stay in the prefix cache)."""
 
-    def __init__(self, name: str, path: str | Path, threads: int, num_kv_tokens: int,
-                 engine_config: dict | None = None):
+    def __init__(self, name: str, path: str | Path, num_kv_tokens: int, engine_config: dict | None = None):
         self.name = name
         cfg = EngineConfig(**{**(engine_config or {}), "num_kv_tokens": num_kv_tokens})
         self.engine = Engine(path, config=cfg, load_tokenizer=False)
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"std-{name}", initializer=torch.set_num_threads,
+        self.executor: ThreadPoolExecutor | None = None  # made by set_threads once every server is loaded
+        self.threads = 0
+
+    def set_threads(self, threads: int) -> None:
+        self.threads = threads
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"std-{self.name}", initializer=torch.set_num_threads,
                                            initargs=(threads,))
         self.params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         self._pending: list[tuple[list[int], asyncio.Future]] = []
@@ -203,10 +208,10 @@ class StdServing:
     server is asked for the same position instead (and, under rstitch, for the following ones
     until it is confident again)."""
 
-    def __init__(self, small: str | Path, large: str | Path, rule, threads_per_model: int = 1,
-                 kv_memory_gb: float = 4.0, engine_config: dict | None = None):
+    def __init__(self, small: str | Path, large: str | Path, rule, kv_memory_gb: float = 4.0,
+                 engine_config: dict | None = None):
         self.paths = (Path(small), Path(large))
-        self.rule, self.threads, self.kv_memory_gb = rule, threads_per_model, kv_memory_gb
+        self.rule, self.kv_memory_gb = rule, kv_memory_gb
         self.engine_config = engine_config or {}
         self.servers: list[EngineServer] = []
         self._rids = itertools.count()
@@ -215,7 +220,10 @@ class StdServing:
         page = self.engine_config.get("page_size", 16)
         for name, path in zip(NAMES, self.paths):
             n_kv = kv_tokens(path, self.kv_memory_gb, 0.5, page)
-            self.servers.append(await asyncio.to_thread(EngineServer, name, path, self.threads, n_kv, self.engine_config))
+            self.servers.append(await asyncio.to_thread(EngineServer, name, path, n_kv, self.engine_config))
+        # the same per-model thread plan as the router's: a baseline gets every advantage we take
+        for srv, t in zip(self.servers, plan_threads([srv.engine.num_params for srv in self.servers])):
+            srv.set_threads(t)
         for s in self.servers:
             await s.start()
         return self

@@ -33,6 +33,7 @@ if __package__ in (None, ""):
 
 import torch
 
+from aiorouter.cpu_threads import plan_threads
 from bench import workloads as W
 from bench.baselines import HFNaive, StdServing, kv_tokens, make_rule
 from bench.common import ROOT, LoopResult, OutsideLoad, closed_loop, machine, tiny_qwen3
@@ -96,7 +97,7 @@ def num_requests(n: int, opts: Opts) -> int:
 
 
 def router_threads(num_models: int) -> int:
-    """What `Router.start` gives each model's worker thread on CPU."""
+    """Intra-op threads of a lone model's worker (the single-model systems and the HF calibration)."""
     return max(1, (os.cpu_count() or 1) // num_models)
 
 
@@ -159,7 +160,7 @@ def _count_computed(r) -> dict:
 
 async def _std_run(pair: Pair, wl: W.Workload, n: int, total: int, opts: Opts) -> dict:
     rule = make_rule(pair.policy, pair.policy_args)
-    async with StdServing(pair.small, pair.large, rule, router_threads(2), opts.kv_memory_gb, opts.engine_config) as std:
+    async with StdServing(pair.small, pair.large, rule, opts.kv_memory_gb, opts.engine_config) as std:
         await closed_loop(lambda p: std.stream(p, WARMUP_TOKENS), n, W.warmup_prompts(n, vocab=pair.vocab), n)
         before = std.stats()
         res = await closed_loop(lambda p: std.stream(p, wl.max_tokens), n, wl.prompts, total)
@@ -529,8 +530,9 @@ def main(argv: list[str] | None = None) -> int:
             "temperature": 0.0, "ignore_eos": True,
             "threads": {
                 "total": cores,
-                "aiorouter/eager/sync": f"{router_threads(2)} intra-op thread(s) per model worker x 2 models",
-                "std-serving": f"{router_threads(2)} intra-op thread(s) per server worker x 2 servers",
+                "aiorouter/eager/sync": f"per model worker: small {plan_threads([0, 1], cores)[0]}, large "
+                                        f"{plan_threads([0, 1], cores)[1]} intra-op thread(s) (aiorouter.cpu_threads)",
+                "std-serving": "per server worker: the same plan as aiorouter's",
                 "large-alone/small-alone": f"{router_threads(1)} intra-op thread(s), one model worker",
                 "hf-naive": {p: f"{c['threads']} intra-op thread(s), both models on one thread in turn" +
                              (f" (auto: faster of 1 and {cores}; calibration {c})" if len(c) > 1 else "")

@@ -79,6 +79,12 @@ class Engine:
         self.stats = EngineStats()
         self._detok: dict[int, IncrementalDetokenizer] = {}
 
+    @property
+    def num_params(self) -> int:
+        """Weights the model reads per step (0 for a weightless sim): how heavy its steps are."""
+        model = getattr(self.runner, "model", None)
+        return sum(p.numel() for p in model.parameters()) if model is not None else 0
+
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
                         **engine_config: object) -> "Engine":

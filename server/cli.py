@@ -72,16 +72,40 @@ def add_router_args(ap: argparse.ArgumentParser, default_policy: str) -> None:
     ap.add_argument("--mode", choices=["delayed", "eager", "sync"], default="delayed")
     ap.add_argument("--max-concurrency", type=int, default=64)
     ap.add_argument("--kv-memory-gb", type=float, default=2.0)
+    ap.add_argument("--threads", metavar="N|NAME=N,...",
+                    help="CPU intra-op threads per model worker (default: the heaviest model gets every core, "
+                         "the others share)")
+
+
+def router_kwargs(args) -> dict[str, object]:
+    models = parse_models(args.model)
+    if args.dtype != "float32":
+        models = {k: ({"path": v, "dtype": args.dtype} if isinstance(v, str) else v) for k, v in models.items()}
+    return dict(models=models, policy=args.policy, policy_args=parse_policy_args(args.policy_arg), entry=args.entry,
+                device=args.device, mode=args.mode, max_concurrency=args.max_concurrency,
+                kv_memory_gb=args.kv_memory_gb, threads=parse_threads(args.threads))
+
+
+def parse_threads(text: str | None) -> int | dict[str, int] | None:
+    if not text:
+        return None
+    try:
+        if "=" not in text:
+            return int(text)
+        return {k: int(v) for k, v in (item.split("=", 1) for item in text.split(","))}
+    except ValueError:
+        raise SystemExit(f"--threads expects N or NAME=N[,NAME=N], got {text!r}") from None
 
 
 def make_router(args):
     from aiorouter import Router
-    models = parse_models(args.model)
-    if args.dtype != "float32":
-        models = {k: ({"path": v, "dtype": args.dtype} if isinstance(v, str) else v) for k, v in models.items()}
-    return Router(models, policy=args.policy, policy_args=parse_policy_args(args.policy_arg), entry=args.entry,
-                  device=args.device, mode=args.mode, max_concurrency=args.max_concurrency,
-                  kv_memory_gb=args.kv_memory_gb)
+    return Router(**router_kwargs(args))
+
+
+def server_config(args):
+    from server.app import ServerConfig
+    return ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key,
+                        max_concurrency=args.max_concurrency, max_queue=args.max_queue)
 
 
 def describe(router) -> list[str]:
@@ -99,11 +123,9 @@ def describe(router) -> list[str]:
 async def serve_main(args) -> int:
     from aiohttp import web
 
-    from server.app import Server, ServerConfig
+    from server.app import Server
     router = make_router(args)
-    cfg = ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key,
-                       max_concurrency=args.max_concurrency, max_queue=args.max_queue)
-    server = Server(router, cfg)
+    server = Server(router, server_config(args))
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
@@ -173,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--served-model-name", default="aiorouter")
     s.add_argument("--max-queue", type=int, default=64, help="requests queued beyond --max-concurrency before 429")
     s.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    s.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve (pip install 'aiorouter[ray]')")
+    s.add_argument("--replicas", type=int, default=1, help="with --ray: Router replicas behind the one endpoint")
+    s.add_argument("--ray-address", help="with --ray: join this Ray cluster (default: start a local one)")
     g = sub.add_parser("generate", help="stream one answer to the terminal, coloured by model")
     add_router_args(g, "rstitch")
     g.add_argument("prompt")
@@ -186,9 +211,19 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("tune", "bench", "train-router"):
         return _delegate(argv[0], argv[1:])
     args = ap.parse_args(argv)
+    if args.cmd == "serve" and not args.ray and (args.replicas != 1 or args.ray_address):
+        ap.error("--replicas and --ray-address need --ray")
+    if args.cmd == "serve" and args.replicas < 1:
+        ap.error("--replicas must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from aiorouter import run
     try:
+        if args.cmd == "serve" and args.ray:
+            # imported here: nothing but this path (and server/ray_serve.py) touches Ray
+            from server.ray_serve import require_ray, serve_ray
+            # before the models are resolved: a missing extra is the first thing to hear
+            require_ray(loopback=args.ray_address is None and args.host in ("127.0.0.1", "localhost"))
+            return serve_ray(args, router_kwargs(args), server_config(args))
         return run(serve_main(args) if args.cmd == "serve" else generate_main(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"aiorouter {args.cmd}: error: {e}", file=sys.stderr)

@@ -63,7 +63,7 @@ def test_hf_naive_rstitch_rule(tiny_qwen3):
 
 async def test_std_serving_fresh_request_per_token(tiny_qwen3):
     prompts = _prompts(512)
-    async with StdServing(tiny_qwen3, tiny_qwen3, RandomRule(0.35, 2), threads_per_model=1, kv_memory_gb=0.05) as std:
+    async with StdServing(tiny_qwen3, tiny_qwen3, RandomRule(0.35, 2), kv_memory_gb=0.05) as std:
         import asyncio
         outs = [[] for _ in prompts]
         traces = [[] for _ in prompts]
