@@ -2,11 +2,13 @@
 
 The engine lays a step out as `BatchLayout` (decodes first, then extends) once; a backend
 turns it into its own metadata with `plan` once per step, and `forward` is called per layer.
-The torch backend runs anywhere (it is the CPU path and the reference); a flashinfer
-backend plugs in behind the same two calls.
+The torch backend runs anywhere (it is the CPU path and the reference); the flashinfer and
+Triton backends (CUDA) plug in behind the same two calls. A backend whose `graph_safe` is True
+returns plan metadata that a captured CUDA graph can take by copy (engines/cuda_graph.py).
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import NamedTuple
 
@@ -21,9 +23,11 @@ class BatchLayout(NamedTuple):
     slot_mapping: torch.Tensor  # [T] int64: pool slot for each new token's K/V
     block_tables: torch.Tensor  # [B, max_pages] int64, padded with 0
     page_size: int
+    host_block_tables: list[list[int]] | None = None  # the same, unpadded, for planners on the host
 
 
 class AttentionBackend(ABC):
+    graph_safe = False  # plan -> NamedTuple of fixed-shape tensors and ints, forward syncs nothing
     @abstractmethod
     def plan(self, layout: BatchLayout) -> object:
         """Per-step metadata shared by every layer."""
@@ -202,23 +206,31 @@ class TorchBackend(AttentionBackend):
         return out
 
 
+BACKENDS = ("flashinfer", "triton", "torch")  # preference order on CUDA
+
+
 def select_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
-    """Pick by device, never by a successful import: flashinfer imports on CPU machines but
-    none of its kernels run there. `name` forces one ("torch" works everywhere)."""
+    """Pick by device, never by a successful import: flashinfer and triton import on CPU machines
+    but none of their kernels run there. On CUDA the first installed of BACKENDS; `name` forces
+    one ("torch" works everywhere, the others need CUDA; "triton" also runs on CPU under the
+    Triton interpreter, TRITON_INTERPRET=1, which only tests and dry runs want)."""
     device = torch.device(device)
     if name is None:
         name = "torch"
         if device.type == "cuda" and torch.cuda.is_available():
-            name = "flashinfer" if _has("flashinfer") else "torch"
+            name = next(b for b in BACKENDS if b == "torch" or _has(b))
     if name == "torch":
         return TorchBackend()
-    if name not in ("flashinfer",):
-        raise ValueError(f"unknown attention backend {name!r}; available: torch, flashinfer (CUDA)")
-    if device.type != "cuda":
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: torch, triton (CUDA), flashinfer (CUDA)")
+    interpreted = name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests, dry runs
+    if device.type != "cuda" and not interpreted:
         raise ValueError(f"attention backend {name!r} needs a CUDA device, got {device}")
-    if name == "flashinfer":
-        from engines.flashinfer_backend import FlashInferBackend
-        return FlashInferBackend(device)
+    if name == "triton":
+        from engines.triton_backend import TritonBackend
+        return TritonBackend()
+    from engines.flashinfer_backend import FlashInferBackend
+    return FlashInferBackend(device)
 
 
 def _has(module: str) -> bool:

@@ -7,6 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton kernels run on CPU tensors only under its interpreter, which has to be on before triton is
+# first imported (it decorates its own standard library then). Machines with CUDA compile them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Two models step in two threads in the runtime tests; one intra-op thread each is the
 # setting the library uses on small CPUs too.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
