@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 from engines import EngineConfig
+from engines.devices import parse_devices
 
 
 @dataclass(frozen=True)
@@ -13,7 +14,9 @@ class ModelSpec:
     """One cooperating model. `engine="sim"` needs no weights: it sleeps L(b) = a + c*b."""
 
     path: str | None = None
-    device: str | None = None  # "cpu", "cuda:0", or a group "cuda:0,1"; None: the router's device
+    # "cpu", "cuda:0", or a group "cuda:0,1" (its layers split across the GPUs in order, an
+    # in-process pipeline); two models may name the same GPU. None: the router's device
+    device: str | None = None
     dtype: str = "float32"
     kv_share: float | None = None  # share of the router's KV memory; None: an equal split
     num_kv_tokens: int | None = None  # explicit KV capacity (overrides kv_share)
@@ -29,6 +32,8 @@ class ModelSpec:
             raise ValueError(f"engine must be 'real' or 'sim', got {self.engine!r}")
         if self.engine == "real" and not self.path:
             raise ValueError("a real model spec needs a path")
+        if self.device is not None:
+            parse_devices(self.device)  # a bad group fails here, with the spec, not at load time
         if self.kv_share is not None and not 0 < self.kv_share <= 1:
             raise ValueError(f"kv_share must be in (0, 1], got {self.kv_share}")
 

@@ -119,6 +119,9 @@ class Subserver:
         return should_launch(self.num_ready, r.threshold(self.index), r.num_active)
 
     async def execute(self, batch: list[ScheduledSeq]) -> ForwardOutput:
+        """The forward in this model's worker thread. On CUDA the runner launches on the model's own
+        stream(s) and waits for the step's event in that thread, so the loop and the other models'
+        steps go on meanwhile (engines/runner.py)."""
         want_hidden = any(self.router.policy_for(s.user_data).needs_hidden for s, _ in batch)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self.engine.runner.run, batch, want_hidden)

@@ -11,6 +11,7 @@ import torch
 from engines.block_manager import BlockManager
 from engines.config import EngineConfig, ModelConfig
 from engines.detokenizer import IncrementalDetokenizer
+from engines.devices import parse_devices
 from engines.runner import ForwardOutput, ModelRunner
 from engines.sampling import SamplingParams
 from engines.scheduler import Scheduler
@@ -51,16 +52,21 @@ class EngineStats:
 class Engine:
     def __init__(self, model_path: str | Path, device: str | torch.device = "cpu",
                  dtype: str | torch.dtype = "float32", config: EngineConfig | None = None,
-                 load_tokenizer: bool = True):
+                 load_tokenizer: bool = True, attention_backend: str | None = None, cuda_graphs: bool = True):
+        """`device`: "cpu", "cuda:0", or a group "cuda:0,1" (layers split across it, in order).
+        `attention_backend`: "torch" | "triton" | "flashinfer"; None picks by device."""
         self.path = Path(model_path)
         model_config = ModelConfig.from_dir(self.path)
-        device, dtype = torch.device(device), parse_dtype(dtype)
+        devices, dtype = parse_devices(device), parse_dtype(dtype)
+        device = devices[0]
         ecfg = self._fit_config(config or EngineConfig(), model_config)
         tokenizer = self._load_tokenizer() if load_tokenizer else None
-        model = load_model(self.path, model_config, dtype, device)
-        runner = ModelRunner(model, model_config, ecfg, dtype, device, max_model_len=ecfg.max_model_len)
+        # a group loads on the host and the runner places each stage's layers on its device
+        model = load_model(self.path, model_config, dtype, device if len(devices) == 1 else torch.device("cpu"))
+        runner = ModelRunner(model, model_config, ecfg, dtype, device, max_model_len=ecfg.max_model_len,
+                             devices=devices, backend_name=attention_backend, cuda_graphs=cuda_graphs)
         self._setup(model_config, ecfg, runner, tokenizer, device, dtype)
-        log.info("loaded %s (%s, %s): %d KV pages of %d tokens, max_model_len %d", self.path.name, device,
+        log.info("loaded %s (%s, %s): %d KV pages of %d tokens, max_model_len %d", self.path.name, ",".join(map(str, devices)),
                  str(dtype).removeprefix("torch."), ecfg.num_pages, ecfg.page_size, ecfg.max_model_len)
 
     @staticmethod

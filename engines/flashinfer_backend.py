@@ -2,7 +2,9 @@
 wrapper for decodes, one workspace per model, `plan` once per step.
 
 Not exercised on the CPU machines this project is developed on: it runs only where a GPU is
-lent (bench/gpu_check.py); `select_backend` never picks it for a CPU device.
+lent (bench/gpu_check.py); `select_backend` never picks it for a CPU device. It is not
+graph-safe (its wrappers plan into their own buffers), so the runner replays small steps with
+the Triton backend's graphs instead; both read the same pool.
 """
 from __future__ import annotations
 
@@ -38,9 +40,9 @@ class FlashInferBackend(AttentionBackend):
     def plan(self, layout: BatchLayout) -> FlashInferMeta:
         h, hkv, d = self.shape
         ps, nd = layout.page_size, layout.num_decodes
-        bts = layout.block_tables.tolist()
-        dev = self.device
-        i32 = dict(dtype=torch.int32, device=dev)
+        # host lists: reading the device block tables back would wait for the stream
+        bts = layout.host_block_tables if layout.host_block_tables is not None else layout.block_tables.tolist()
+        i32 = dict(dtype=torch.int32)  # host tensors: plan reads indptr on the host and copies the rest up
         if nd:
             m = build_paged_meta(layout.q_lens[:nd], layout.kv_lens[:nd], bts[:nd], ps)
             self.decode.plan(torch.tensor(m.kv_indptr, **i32), torch.tensor(m.kv_indices, **i32),

@@ -199,6 +199,30 @@ class CausalLM(nn.Module):
             x = layer(x, ctx)
         return self.norm(x)
 
+    def forward_stages(self, input_ids: torch.Tensor, stages: list[tuple[range, AttnContext]]) -> torch.Tensor:
+        """The same forward over a device group: stage i runs its layer range on its own device
+        with its own context (KV, metadata, rotary tables); the hidden state moves between them."""
+        x = self.embed_tokens(input_ids)
+        for layers, ctx in stages:
+            x = x.to(ctx.cos.device, non_blocking=True)  # [T, hidden], peer copy ordered by torch
+            for i in layers:
+                x = self.layers[i](x, ctx)
+        return self.norm(x)
+
+    def place(self, devices: list[torch.device], ranges: list[range]) -> None:
+        """Move each layer range to its device: the embedding with the first stage, the final norm
+        and lm_head with the last. A tied lm_head gets its own copy when the ends differ."""
+        self.embed_tokens.to(devices[0])
+        for dev, layers in zip(devices, ranges):
+            for i in layers:
+                self.layers[i].to(dev)
+        tied = self.lm_head.weight is self.embed_tokens.weight
+        self.norm.to(devices[-1])
+        if tied and devices[-1] != devices[0]:
+            self.lm_head.weight = nn.Parameter(self.embed_tokens.weight.detach().to(devices[-1]), requires_grad=False)
+        else:
+            self.lm_head.to(devices[-1])
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> logits [B, vocab] in float32."""
         return self.lm_head(hidden).float()

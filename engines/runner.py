@@ -1,15 +1,24 @@
-"""Runs one forward step of a model over a mixed batch of decodes and extends, then samples."""
+"""Runs one forward step of a model over a mixed batch of decodes and extends, then samples.
+
+On CUDA a runner launches everything on its own stream(s) (one per device of its group), so two
+models' steps overlap, and waits for the step's event in the calling thread (the subserver's
+worker), never on the event loop. Small steps replay CUDA graphs (engines/cuda_graph.py) when the
+backend is graph-safe; sampling stays on the GPU until the tokens are copied out once.
+The CUDA paths have not run on a GPU yet (bench/gpu_check.py is their check); CPU runs as before.
+"""
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
 
 from engines.attention import AttentionBackend, BatchLayout, select_backend
 from engines.config import EngineConfig, ModelConfig
+from engines.devices import LayerSlice, StageKV, host_tensor, split_layers
 from engines.kv_cache import KVPool
 from engines.model import AttnContext, CausalLM, rope_cache, signed_sin
-from engines.sampling import sample
+from engines.sampling import sample, sample_batched
 from engines.sequence import Sequence
 
 
@@ -27,18 +36,89 @@ class ForwardOutput(NamedTuple):
     hidden: torch.Tensor | None  # [B, hidden] final-normed last hidden state, when asked for
 
 
+class Stage(NamedTuple):
+    """One device of a group: its layers, their KV, its backend and rotary tables."""
+    device: torch.device
+    layers: range
+    kv: KVPool | StageKV
+    backend: AttentionBackend
+    cos: torch.Tensor  # [max_len, 1, D] in the model dtype
+    sin: torch.Tensor  # [max_len, 1, D], rotate_half's sign folded in
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: ModelConfig, ecfg: EngineConfig, dtype: torch.dtype,
-                 device: torch.device, backend: AttentionBackend | None = None, max_model_len: int = 4096):
-        self.model, self.cfg, self.dtype, self.device = model, cfg, dtype, device
-        self.page_size = ecfg.page_size
-        self.kv = KVPool(cfg, ecfg.num_pages, ecfg.page_size, dtype, device)
-        self.backend = backend or select_backend(device)
-        if device.type == "cpu":
+                 device: torch.device, backend: AttentionBackend | None = None, max_model_len: int = 4096,
+                 devices: list[torch.device] | None = None, backend_name: str | None = None,
+                 cuda_graphs: bool = True):
+        """`devices`: a group (pipeline stages, `engines.devices.parse_devices`); `device` is its first.
+        `backend` (an instance, single device) or `backend_name` forces the attention backend."""
+        devices = devices or [device]
+        self.model, self.cfg, self.dtype, self.device, self.devices = model, cfg, dtype, devices[0], devices
+        self.page_size, self.max_model_len, self.max_num_seqs = ecfg.page_size, max_model_len, ecfg.max_num_seqs
+        if len(devices) > 1:
+            model.place(devices, split_layers(cfg.num_hidden_layers, len(devices)))
+        elif device.type == "cpu":
             model.pack_weights()  # oneDNN-packed linears: see model.Linear
-        cos, sin = rope_cache(cfg, max_model_len, device)  # [max_len, D] fp32
+        cos, sin = rope_cache(cfg, max_model_len, torch.device("cpu"))  # [max_len, D] fp32
         # Cast once here (HF casts per layer, to the same values) and fold rotate_half's sign into sin.
-        self.cos, self.sin = cos.to(dtype)[:, None, :], signed_sin(sin).to(dtype)[:, None, :]  # [max_len, 1, D]
+        cos, sin = cos.to(dtype)[:, None, :], signed_sin(sin).to(dtype)[:, None, :]  # [max_len, 1, D]
+        self.stages: list[Stage] = []
+        for dev, layers in zip(devices, split_layers(cfg.num_hidden_layers, len(devices))):
+            if len(devices) == 1:
+                kv = KVPool(cfg, ecfg.num_pages, ecfg.page_size, dtype, dev)
+            else:  # this stage's layers only, indexed by global layer id
+                pool = KVPool(_with_layers(cfg, len(layers)), ecfg.num_pages, ecfg.page_size, dtype, dev)
+                kv = StageKV(LayerSlice(pool.k, layers.start), LayerSlice(pool.v, layers.start))
+            be = backend if backend is not None and len(devices) == 1 else select_backend(dev, backend_name)
+            if hasattr(be, "bind"):  # backends that plan for fixed head shapes (flashinfer)
+                be.bind(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype)
+            self.stages.append(Stage(dev, layers, kv, be, cos.to(dev), sin.to(dev)))
+        self.kv, self.backend = self.stages[0].kv, self.stages[0].backend
+        self.cos, self.sin = self.stages[0].cos, self.stages[0].sin
+        self.cuda = self.device.type == "cuda"
+        # one stream per device: this model's kernels queue apart from every other model's
+        self.streams = [torch.cuda.Stream(d) for d in devices] if self.cuda else []
+        for st in self.streams:
+            st.wait_stream(torch.cuda.current_stream(st.device))  # after the weight and KV set-up
+        self.graphs = None
+        if self.cuda and cuda_graphs and len(devices) == 1:
+            self.graphs = self._make_graphs()
+
+    def _make_graphs(self):
+        """Graphs for small steps, captured now. A backend that cannot be captured (flashinfer plans
+        into its own buffers) leaves small steps to the Triton backend when triton is installed:
+        both read the same pool."""
+        from engines.attention import _has
+        from engines.cuda_graph import DECODE_BUCKETS, StepGraphs
+        be = self.backend
+        if not be.graph_safe:
+            if not _has("triton"):
+                return None
+            from engines.triton_backend import TritonBackend
+            be = TritonBackend()
+        decode = tuple(b for b in DECODE_BUCKETS if b < self.max_num_seqs) + (self.max_num_seqs,)  # no bigger batch runs
+        graphs = StepGraphs(self._forward_one, be, self.page_size, -(-self.max_model_len // self.page_size),
+                            self.device, decode_buckets=decode)
+        with self._on_streams():
+            graphs.capture()
+        return graphs
+
+    def _forward_one(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: object,
+                     backend: AttentionBackend | None = None) -> torch.Tensor:
+        """One device: ids, positions [T] -> hidden [T, hidden]. What a CUDA graph captures."""
+        st = self.stages[0]
+        ctx = AttnContext(backend or st.backend, meta, st.kv, st.cos[positions], st.sin[positions])
+        return self.model(input_ids, ctx)
+
+    def _on_streams(self) -> contextlib.ExitStack:
+        """This runner's streams current on their devices, and its first device current."""
+        stack = contextlib.ExitStack()
+        if self.cuda:
+            for st in self.streams:  # (setting a stream also switches the current device)
+                stack.enter_context(torch.cuda.stream(st))
+            stack.enter_context(torch.cuda.device(self.device))
+        return stack
 
     def layout(self, batch: list[ScheduledSeq]) -> tuple[BatchLayout, torch.Tensor, torch.Tensor]:
         """-> (layout, input_ids [T], positions [T]). `batch` must list decodes first."""
@@ -61,10 +141,27 @@ class ModelRunner:
         bt = torch.zeros(len(batch), max_pages, dtype=torch.int64)
         for i, (seq, _) in enumerate(batch):
             bt[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
-        dev = self.device
-        layout = BatchLayout(num_decodes, q_lens, kv_lens, torch.tensor(slots, dtype=torch.int64, device=dev),
-                             bt.to(dev), ps)
-        return layout, torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev)
+        dev, i64 = self.device, torch.int64
+        if self.cuda:  # pinned, non-blocking: a pageable copy would wait for the stream
+            bt = bt.pin_memory()
+        layout = BatchLayout(num_decodes, q_lens, kv_lens, host_tensor(slots, i64, dev), bt.to(dev, non_blocking=True), ps,
+                             [seq.block_table for seq, _ in batch])
+        return layout, host_tensor(ids, i64, dev), host_tensor(pos, i64, dev)
+
+    def forward(self, layout: BatchLayout, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """-> hidden [T, hidden] on the last device: a graph replay when one fits, else eager."""
+        if len(self.stages) == 1:
+            key = self.graphs.key_for(layout) if self.graphs is not None else None
+            if key is not None:
+                return self.graphs.run(key, layout, input_ids, positions)
+            return self._forward_one(input_ids, positions, self.backend.plan(layout))
+        ctxs = []
+        for st in self.stages:  # the step's metadata on every device of the group
+            lay = layout._replace(slot_mapping=layout.slot_mapping.to(st.device, non_blocking=True),
+                                  block_tables=layout.block_tables.to(st.device, non_blocking=True))
+            pos = positions.to(st.device, non_blocking=True)
+            ctxs.append((st.layers, AttnContext(st.backend, st.backend.plan(lay), st.kv, st.cos[pos], st.sin[pos])))
+        return self.model.forward_stages(input_ids, ctxs)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], want_hidden: bool = False) -> ForwardOutput:
@@ -73,19 +170,38 @@ class ModelRunner:
         # decodes first, longest context first: the attention backend pads decodes by length group
         batch = sorted(batch, key=lambda s: (not (s.num_tokens == 1 and s.seq.num_computed_tokens > 0),
                                              -s.seq.num_computed_tokens))
-        layout, input_ids, positions = self.layout(batch)
-        meta = self.backend.plan(layout)
-        ctx = AttnContext(self.backend, meta, self.kv, self.cos[positions], self.sin[positions])  # cos/sin [T, 1, D]
-        hidden = self.model(input_ids, ctx)  # [T, hidden]
         rows, seqs, end = [], [], 0
         for seq, n in batch:
             end += n
             if seq.num_computed_tokens + n == len(seq.token_ids):
                 rows.append(end - 1)
                 seqs.append(seq)
-        if not rows:
-            return ForwardOutput([], torch.empty(0, self.cfg.vocab_size), [], None)
-        last = hidden[torch.tensor(rows, device=hidden.device)]  # [B, hidden]
-        logits = self.model.compute_logits(last)  # [B, vocab] fp32
-        tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
-        return ForwardOutput(seqs, logits.cpu(), tokens.tolist(), last.float().cpu() if want_hidden else None)
+        if not self.cuda:
+            layout, input_ids, positions = self.layout(batch)
+            hidden = self.forward(layout, input_ids, positions)  # [T, hidden]
+            if not rows:
+                return ForwardOutput([], torch.empty(0, self.cfg.vocab_size), [], None)
+            last = hidden[torch.tensor(rows, device=hidden.device)]  # [B, hidden]
+            logits = self.model.compute_logits(last)  # [B, vocab] fp32
+            tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+            return ForwardOutput(seqs, logits.cpu(), tokens.tolist(), last.float().cpu() if want_hidden else None)
+        with self._on_streams():
+            layout, input_ids, positions = self.layout(batch)
+            hidden = self.forward(layout, input_ids, positions)
+            if not rows:  # a prefill chunk: nothing to wait for (later steps queue behind it)
+                return ForwardOutput([], torch.empty(0, self.cfg.vocab_size), [], None)
+            last = hidden[host_tensor(rows, torch.int64, hidden.device)]  # [B, hidden]
+            logits = self.model.compute_logits(last)  # [B, vocab] fp32
+            tokens = sample_batched(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+            # the step's only wait: copies into pinned memory, then one event, waited on in this thread
+            host = [t.to("cpu", non_blocking=True) for t in (tokens, logits, last.float() if want_hidden else None)
+                    if t is not None]
+            done = torch.cuda.Event()
+            done.record(self.streams[-1])
+        done.synchronize()
+        return ForwardOutput(seqs, host[1], host[0].tolist(), host[2] if want_hidden else None)
+
+
+def _with_layers(cfg: ModelConfig, n: int) -> ModelConfig:
+    from dataclasses import replace
+    return replace(cfg, num_hidden_layers=n)

@@ -86,3 +86,53 @@ def _filter(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         drop = (cum - torch.softmax(sorted_x, -1)) >= p.top_p
         x = x.scatter(0, idx, sorted_x.masked_fill(drop, float("-inf")))
     return x
+
+
+def sample_batched(logits: torch.Tensor, params: list[SamplingParams],
+                   generators: list[torch.Generator | None]) -> torch.Tensor:
+    """`sample` for GPUs: logits [B, V] -> token ids [B] on logits' device, with no host sync
+    (nothing reads a device value back; parameters go up in pinned, non-blocking copies).
+
+    Same distribution as `sample` (same filters, in the same order), drawn as an exponential race:
+    argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability p_i. A seeded request
+    draws its E on the CPU from its own generator (its Sequence's CPU generator), so its tokens do
+    not depend on the batch; the others use the device's generator. Ran on CPU in tests only."""
+    from engines.devices import host_tensor
+    out = torch.argmax(logits, dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return out
+    dev, V = logits.device, logits.shape[-1]
+    ps = [params[i] for i in rows]
+    idx = host_tensor(rows, torch.int64, dev)
+    temp = host_tensor([p.temperature for p in ps], torch.float32, dev)
+    x = _filter_batched(logits.index_select(0, idx).float() / temp[:, None], ps)
+    probs = torch.softmax(x, dim=-1)
+    race = torch.empty_like(probs).exponential_()  # [R, V]
+    for r, i in enumerate(rows):
+        if generators[i] is not None:
+            e = torch.empty(V).exponential_(generator=generators[i])
+            race[r] = e.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else e
+    return out.index_copy(0, idx, torch.argmax(probs / race, dim=-1))
+
+
+def _filter_batched(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+    """x [R, V] scaled logits -> `_filter` applied to each row, in batched ops."""
+    from engines.devices import host_tensor
+    dev, V = x.device, x.shape[-1]
+    inf = float("-inf")
+    if any(p.top_k > 0 and p.top_k < V for p in ps):
+        k = host_tensor([p.top_k if 0 < p.top_k < V else V for p in ps], torch.int64, dev)
+        kth = torch.sort(x, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])  # [R, 1]
+        x = x.masked_fill(x < kth, inf)
+    if any(p.min_p > 0.0 for p in ps):
+        min_p = host_tensor([p.min_p for p in ps], torch.float32, dev)
+        probs = torch.softmax(x, -1)
+        x = x.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, inf)
+    if any(p.top_p < 1.0 for p in ps):
+        top_p = host_tensor([p.top_p for p in ps], torch.float32, dev)
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sp = torch.softmax(sorted_x, -1)
+        drop = ((sp.cumsum(-1) - sp) >= top_p[:, None]) & (top_p < 1.0)[:, None]  # top_p 1: keep all
+        x = x.scatter(1, order, sorted_x.masked_fill(drop, inf))
+    return x

@@ -74,3 +74,65 @@ def test_joint_kv_tokens():
         joint_kv_tokens([b], 16 * gib)
     with pytest.raises(ValueError, match="memory_fraction"):
         joint_kv_tokens([a], 80 * gib, memory_fraction=1.5)
+
+
+def test_cuda_order_flashinfer_then_triton_then_torch(monkeypatch):
+    """On CUDA the first installed backend wins; constructing the Triton backend needs no GPU."""
+    from engines.triton_backend import TritonBackend
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(attention, "_has", lambda name: name == "triton")
+    assert isinstance(select_backend(torch.device("cuda:0")), TritonBackend)
+    monkeypatch.setattr(attention, "_has", lambda name: False)
+    assert isinstance(select_backend(torch.device("cuda:0")), TorchBackend)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        select_backend(torch.device("cpu"), "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs it on CPU (tests, dry runs)
+    assert isinstance(select_backend(torch.device("cpu"), "triton"), TritonBackend)
+    assert isinstance(select_backend(torch.device("cpu")), TorchBackend)  # never the default there
+
+
+def test_parse_device_groups():
+    from engines.devices import parse_devices, split_layers
+    assert parse_devices("cuda:0,1") == [torch.device("cuda:0"), torch.device("cuda:1")]
+    assert parse_devices("cuda:0, cuda:2") == [torch.device("cuda:0"), torch.device("cuda:2")]
+    assert parse_devices("cpu") == [torch.device("cpu")] and parse_devices(None) == [torch.device("cpu")]
+    assert parse_devices("cpu,cpu") == [torch.device("cpu")] * 2  # a split testable without GPUs
+    for bad, msg in [("cuda:0,0", "twice"), ("cuda:0,,1", "empty"), ("1,2", "bare index"), ("cpu,cuda:0", "mixes"),
+                     ("gpu:0", "not a device")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_devices(bad)
+    assert split_layers(8, 2) == [range(0, 4), range(4, 8)]
+    assert split_layers(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    with pytest.raises(ValueError):
+        split_layers(2, 3)
+    from aiorouter.spec import ModelSpec
+    with pytest.raises(ValueError, match="twice"):
+        ModelSpec(path="x", device="cuda:1,1")
+    assert ModelSpec(path="x", device="cuda:0,1").device == "cuda:0,1"
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_device_group_of_two_cpus_matches_one_device(tmp_path, tie):
+    """A "cpu,cpu" group runs the pipeline split (layer ranges, per-stage KV pools and plans, hidden
+    state handed on) on one machine: logits equal the unsplit model's."""
+    from conftest import make_tiny_qwen3
+    from engines import Engine, EngineConfig, SamplingParams
+    path = make_tiny_qwen3(tmp_path / "m", layers=3, tie=tie, seed=2)
+    cfg = EngineConfig(num_kv_tokens=512)
+    one, two = Engine(path, config=cfg), Engine(path, device="cpu,cpu", config=cfg)
+    assert [st.layers for st in two.runner.stages] == [range(0, 2), range(2, 3)]
+    prompts = [[5, 6, 7], list(range(2, 30)), [9] * 11]
+    logits = []
+    for eng in (one, two):
+        seqs = [eng.add_request(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)) for p in prompts]
+        steps = []
+        while any(not s.is_finished for s in seqs):
+            out = eng.forward()
+            steps.append(out.logits)
+            for s, t in zip(out.seqs, out.next_tokens):
+                eng.append_token(s, t)
+        logits.append((steps, [s.output_ids for s in seqs]))
+    assert logits[0][1] == logits[1][1]
+    for a, b in zip(logits[0][0], logits[1][0]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # oneDNN-packed vs plain linears

@@ -1,0 +1,62 @@
+"""`sample_batched` (the GPU sampler: batched filters, exponential race, no host sync) against
+`sample` (the CPU sampler), run on CPU. Its no-sync property is checked on CUDA only."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.sampling import SamplingParams, _filter, _filter_batched, sample, sample_batched
+
+PARAMS = [SamplingParams(temperature=0.0), SamplingParams(top_k=5), SamplingParams(top_p=0.8),
+          SamplingParams(min_p=0.1, temperature=0.7), SamplingParams(top_k=20, top_p=0.9, min_p=0.02),
+          SamplingParams(temperature=1.3), SamplingParams(top_k=1, temperature=2.0)]
+
+
+def test_batched_filters_equal_per_row_filters():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        x = torch.randn(len(PARAMS), 300, generator=g) * 3
+        got = _filter_batched(x.clone(), PARAMS)
+        for r, p in enumerate(PARAMS):
+            assert torch.equal(torch.isinf(got[r]), torch.isinf(_filter(x[r].clone(), p))), p
+
+
+def test_greedy_rows_and_one_token_supports_are_exact():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(len(PARAMS), 300, generator=g)
+    a = sample(logits, PARAMS, [None] * len(PARAMS))
+    b = sample_batched(logits, PARAMS, [None] * len(PARAMS))
+    assert a[0] == b[0] == logits[0].argmax() and b[-1] == logits[-1].argmax()
+
+
+def test_exponential_race_draws_the_filtered_distribution():
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    p = SamplingParams(temperature=0.8, top_k=4)
+    want = torch.softmax(_filter(logits[0] / 0.8, p), -1)
+    n = 20000
+    counts = torch.bincount(sample_batched(logits.expand(n, -1), [p] * n, [None] * n), minlength=6).float() / n
+    assert counts[4:].sum() == 0
+    assert (counts - want).abs().max() < 0.015
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(2))
+    p = SamplingParams(temperature=1.0, seed=7)
+    alone = sample_batched(logits[2:3], [p], [torch.Generator().manual_seed(7)])
+    ps = [SamplingParams(temperature=1.0)] * 2 + [p, SamplingParams(temperature=0.0)]
+    batch = sample_batched(logits, ps, [None, None, torch.Generator().manual_seed(7), None])
+    assert batch[2] == alone[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_host_sync_on_cuda():
+    logits = torch.randn(8, 1000, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sample_batched(logits, PARAMS + [SamplingParams()], [None] * 8)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.shape == (8,) and out.device.type == "cuda"
