@@ -9,6 +9,7 @@ CITER checkpoints use the same dict with `model_type="CITERRouter"`.
 """
 from __future__ import annotations
 
+import bisect
 import json
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,63 @@ from torch import nn
 R2R_MODEL_TYPE = "HiddenStatesTokenLMHeadLogitsClassifier"  # the official class name
 CITER_MODEL_TYPE = "CITERRouter"
 _EMBED_KEYS = ("model.embed_tokens.weight", "embed_tokens.weight", "model.embed_tokens")
+
+
+# -- CUDA graphs of a router network's forward ------------------------------------------------
+class GraphedForward:
+    """A network's forward replayed from CUDA graphs captured at bucketed batch sizes: R2R and CITER
+    run every decoding step, and at their size kernel launches dominate. Inputs are padded with
+    zero rows to the bucket and the output is sliced back; in eval mode every layer (Linear,
+    LayerNorm, BatchNorm with running stats, an embedding lookup) is row-wise, so the real rows
+    are unchanged. Eager past the last bucket. On CPU nothing is captured: the same padded,
+    static buffers run eagerly (tests/test_policies.py checks that path; real capture: gpu tests)."""
+
+    BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+    def __init__(self, net: nn.Module, examples: list[torch.Tensor], buckets: tuple[int, ...] = BUCKETS):
+        """examples: one tensor per forward input, any batch size: their row shapes and dtypes."""
+        self.net, self.buckets = net, buckets
+        dev = examples[0].device
+        self.static: dict[int, tuple[list[torch.Tensor], object]] = {}
+        pool = None
+        for b in sorted(buckets, reverse=True):  # largest first: the rest reuse its memory pool
+            ins = [torch.zeros((b, *x.shape[1:]), dtype=x.dtype, device=dev) for x in examples]
+            if dev.type != "cuda":
+                self.static[b] = (ins, None)
+                continue
+            s = torch.cuda.Stream(dev)
+            s.wait_stream(torch.cuda.current_stream(dev))
+            with torch.inference_mode(), torch.cuda.stream(s):
+                net(*ins)  # warm-up (cuBLAS handles, lazy inits) off the capture
+            torch.cuda.current_stream(dev).wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            # thread_local: captured lazily in a model's worker while other workers keep launching
+            with torch.inference_mode(), torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+                out = net(*ins)
+            pool = g.pool()
+            self.static[b] = (ins, (g, out))
+
+    def __call__(self, *xs: torch.Tensor) -> torch.Tensor:
+        n = xs[0].shape[0]
+        i = bisect.bisect_left(self.buckets, n)
+        if i == len(self.buckets):
+            return self.net(*xs)
+        ins, graph = self.static[self.buckets[i]]
+        for buf, x in zip(ins, xs):
+            buf[:n].copy_(x)
+            buf[n:].zero_()
+        if graph is None:
+            return self.net(*ins)[:n]
+        graph[0].replay()
+        return graph[1][:n]
+
+
+def run_graphed(net: nn.Module, *ins: torch.Tensor) -> torch.Tensor:
+    """net(*ins), from CUDA graphs when on CUDA in eval mode (captured on first use, at the buckets)."""
+    graphs = getattr(net, "_graphs", None)
+    if graphs is None and ins[0].is_cuda and not net.training:
+        graphs = net._graphs = GraphedForward(net, list(ins))
+    return graphs(*ins) if graphs is not None else net(*ins)
 
 
 # -- R2R ---------------------------------------------------------------------------------------
@@ -110,8 +168,8 @@ class R2RRouter(nn.Module):
             raise ValueError(f"the R2R router reads the top {self.logits_size} logits; the vocabulary has "
                              f"only {full_logits.shape[-1]}")
         dev = self.combined_projection.weight.device
-        z = self(hidden.float().to(dev), token.long().to(dev), self.top_logits(full_logits, self.logits_size).to(dev))
-        return torch.sigmoid(z.squeeze(-1)).cpu()
+        ins = (hidden.float().to(dev), token.long().to(dev), self.top_logits(full_logits, self.logits_size).to(dev))
+        return torch.sigmoid(run_graphed(self, *ins).squeeze(-1)).cpu()
 
 
 # -- CITER -------------------------------------------------------------------------------------
@@ -137,7 +195,7 @@ class CITERRouter(nn.Module):
             raise ValueError(f"the CITER router was built for hidden size {self.hidden_size}; the small model "
                              f"gives hidden states of size {hidden.shape[-1]}")
         dev = self.net[0].weight.device
-        return torch.sigmoid(self(hidden.float().to(dev)).squeeze(-1)).cpu()
+        return torch.sigmoid(run_graphed(self, hidden.float().to(dev)).squeeze(-1)).cpu()
 
 
 # -- a linear head on the hidden state (Co-LLM's deferral row; a query classifier) -------------
