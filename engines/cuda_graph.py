@@ -116,6 +116,8 @@ class StepGraphs:
         return sorted(keys, key=lambda k: -k.num_tokens)  # largest first: smaller ones reuse its pool memory
 
     def key_for(self, layout: BatchLayout) -> GraphKey | None:
+        if layout.block_tables.shape[1] > self.max_pages:  # wider than captured: eager (never expected)
+            return None
         key = graph_key(layout, *self.buckets)
         return key if key in self.graphs else None
 
@@ -141,7 +143,8 @@ class StepGraphs:
             torch.cuda.current_stream(self.device).wait_stream(s)
             g = torch.cuda.CUDAGraph()
             # thread_local: other models' workers keep launching while this thread captures
-            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            # its own capture stream: torch's shared default one lives on whichever device came first
+            with torch.cuda.graph(g, pool=self.pool, stream=s, capture_error_mode="thread_local"):
                 hidden = self.forward(ids, pos, meta, self.backend)
             if self.pool is None:
                 self.pool = g.pool()

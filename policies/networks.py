@@ -44,15 +44,16 @@ class GraphedForward:
             if dev.type != "cuda":
                 self.static[b] = (ins, None)
                 continue
-            s = torch.cuda.Stream(dev)
-            s.wait_stream(torch.cuda.current_stream(dev))
-            with torch.inference_mode(), torch.cuda.stream(s):
-                net(*ins)  # warm-up (cuBLAS handles, lazy inits) off the capture
-            torch.cuda.current_stream(dev).wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            # thread_local: captured lazily in a model's worker while other workers keep launching
-            with torch.inference_mode(), torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
-                out = net(*ins)
+            with torch.cuda.device(dev):  # the worker thread's current device may be another
+                s = torch.cuda.Stream(dev)
+                s.wait_stream(torch.cuda.current_stream(dev))
+                with torch.inference_mode(), torch.cuda.stream(s):
+                    net(*ins)  # warm-up (cuBLAS handles, lazy inits) off the capture
+                torch.cuda.current_stream(dev).wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                # thread_local: captured lazily in a model's worker while other workers keep launching
+                with torch.inference_mode(), torch.cuda.graph(g, pool=pool, stream=s, capture_error_mode="thread_local"):
+                    out = net(*ins)
             pool = g.pool()
             self.static[b] = (ins, (g, out))
 
