@@ -294,7 +294,8 @@ def main(argv=None) -> int:
     dry = args.dry_run or not torch.cuda.is_available()
     dev = torch.device("cpu" if dry else "cuda:0")
     shapes = SHAPES["dry" if dry else "full"]
-    backends = ["torch"] + [b for b in ("triton", "flashinfer") if _has(b) and (dev.type == "cuda" or b == "triton")]
+    interp = os.environ.get("TRITON_INTERPRET") == "1"  # on CPU only the interpreter runs Triton kernels
+    backends = ["torch"] + [b for b in ("triton", "flashinfer") if _has(b) and (dev.type == "cuda" or (b == "triton" and interp))]
     t_start = time.perf_counter()
     res = {"dry_run": dry, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "facts": device_facts(dev), "sections": {}}
     def best_backend() -> str | None:
