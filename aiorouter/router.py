@@ -129,7 +129,7 @@ class Router:
         template = self.policy.routing_template()
         if self.mode != "delayed" or template is None or len(self.names) == 1:
             return ones
-        from aiorouter.tuning import LatencyModel, TunerConfig, fit_latency
+        from aiorouter.tuning import LatencyModel, fit_latency
         from engines.profile import profile_decode_latency
         cap = self.tune_concurrency or min(self.max_concurrency, 16 if len(self.names) == 2 else 8)
         sizes = sorted({1, 2, 4, cap})
@@ -142,23 +142,27 @@ class Router:
             lats.append(fit)
             log.info("model %s: decode step %s -> L(b) = %.2f ms + %.3f ms * b", s.name,
                      ", ".join(f"b={b}: {t * 1e3:.2f} ms" for b, t in lat.items()), fit.a * 1e3, fit.c * 1e3)
-        # ~40 quanta for the fastest step keeps the chain small whatever the absolute latencies
-        delta = min(l(1) for l in lats) / 40
-        P, C = template
-        cfg = TunerConfig.build(P, C, lats, cap, delta=delta)
         # Solving takes seconds: serve with B = 1 meanwhile and switch when the table is ready.
-        self._tuning_task = asyncio.get_running_loop().create_task(self._solve_initial(cfg, cap))
+        self._tuning_task = asyncio.get_running_loop().create_task(self._solve_initial(template, lats, cap))
         return ones
 
-    async def _solve_initial(self, cfg, cap: int) -> None:
-        from aiorouter.tuning import StateLimitError, Tuner
+    def _start_tuner(self, template, lats: list, cap: int):
+        """(thread) Pick delta from the state budget, then solve the table for N = 1..cap."""
+        from aiorouter.tuning import Tuner, TunerConfig, choose_delta
+        P, C = template
+        # The quantum bounds the work: a fixed "40 quanta for the fastest step" let a slow model at
+        # a large batch run to hundreds of quanta (minutes of solving); the budget does not.
+        choice = choose_delta(P, lats, cap)
+        log.log(logging.WARNING if choice.max_error > 0.05 else logging.INFO, "threshold tuning: %s%s",
+                choice.describe(), "; the model is coarse for these latencies" if choice.max_error > 0.05 else "")
+        cfg = TunerConfig.build(P, C, lats, cap, delta=choice.delta)
+        return Tuner(cfg, should_stop=lambda: self._closing)
+
+    async def _solve_initial(self, template, lats: list, cap: int) -> None:
         from aiorouter.tuning.online import TuningCancelled
         try:
-            self.tuner = await asyncio.to_thread(Tuner, cfg, should_stop=lambda: self._closing)
+            self.tuner = await asyncio.to_thread(self._start_tuner, template, lats, cap)
         except TuningCancelled:
-            return
-        except StateLimitError as e:
-            log.warning("threshold tuning skipped (%s); every threshold stays 1", e)
             return
         except Exception as e:  # serving with B = 1 (eager) beats not serving
             log.exception("threshold tuning failed (%r); every threshold stays 1", e)

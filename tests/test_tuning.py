@@ -445,25 +445,29 @@ def test_power_fallback_equals_gmres(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = ModelSpec.build([[0.5, 0.3, 0.2]] * 3, [[1] * 3] * 3, [3 * MS, 7 * MS, 11 * MS],
                            delta=1e-3)
     ref = solve_dtmc(spec, 4, (1, 2, 1))
-    monkeypatch.setattr(solver, "gmres", lambda *a, **k: (None, 0))
+    def failing(S, seg, u, *a, **k):  # every chain "fails": the power method must take over
+        return np.zeros_like(u), np.zeros(seg.nB, dtype=bool), 0
+
+    monkeypatch.setattr(solver, "gmres", failing)
     fallback = solve_dtmc(spec, 4, (1, 2, 1))
     assert fallback.throughput == pytest.approx(ref.throughput, rel=1e-7)
     assert fallback.utilisation == pytest.approx(ref.utilisation, rel=1e-6)
 
 
 def test_f_states_break_every_cycle() -> None:
-    # Y -> Y transitions must go strictly forward in the solver's order.
-    from aiorouter.tuning._solver import feedback_order
+    # Solver order is [Y, F]: Y -> Y transitions must go strictly forward in it.
+    from aiorouter.tuning._solver import solver_order
 
     spec, cb, d_units = _chain([[0.5, 0.3, 0.2]] * 3, [3 * MS, 7 * MS, 11 * MS], 4, (1, 1, 1))
-    order, nF = feedback_order(cb.Bt, cb.R, d_units)
+    order, nY = solver_order(cb, d_units)
+    assert sorted(order) == list(range(cb.n))
     pos = np.empty(cb.n, dtype=np.int64)
     pos[order] = np.arange(cb.n)
     ps, pd = pos[cb.src], pos[cb.dst]
-    yy = (ps >= nF) & (pd >= nF)
+    yy = (ps < nY) & (pd < nY)
     assert yy.sum() > cb.src.size // 2  # most transitions are inside the DAG
     assert np.all(pd[yy] > ps[yy])
-    assert 0 < nF < cb.n // 3
+    assert 0 < cb.n - nY < cb.n // 3
 
 
 def test_latency_quanta_at_least_one() -> None:

@@ -7,6 +7,7 @@ from .compare import ComparisonTable, LatencyComparison, compare_latency_models
 from .dtmc import DEFAULT_MAX_STATES, DTMCResult, solve_dtmc, solve_many, throughput
 from .latency import LatencyModel, fit_latency
 from .online import RoutingEstimator, Tuner, TunerConfig
+from .quantum import DEFAULT_TABLE_STATES, DeltaChoice, choose_delta
 from .search import (
     SearchResult,
     SolveCache,
@@ -20,12 +21,14 @@ from .simulate import SimulationResult, simulate
 from .spec import DEFAULT_DELTA, ModelSpec, is_feasible
 
 SystemSpec = ModelSpec  # the name to use beside aiorouter.ModelSpec (one cooperating model)
+from ._blocks import SolverError
 from ._statespace import StateLimitError
 
 __all__ = [
-    "ComparisonTable", "DEFAULT_DELTA", "DEFAULT_MAX_STATES", "DTMCResult", "LatencyComparison",
-    "LatencyModel", "ModelSpec", "SystemSpec", "RoutingEstimator", "SearchResult", "SimulationResult",
-    "SolveCache", "StateLimitError", "ThresholdTable", "Tuner", "TunerConfig", "best_thresholds",
+    "ComparisonTable", "DEFAULT_DELTA", "DEFAULT_MAX_STATES", "DEFAULT_TABLE_STATES", "DTMCResult",
+    "DeltaChoice", "LatencyComparison", "LatencyModel", "ModelSpec", "SystemSpec", "RoutingEstimator",
+    "SearchResult", "SimulationResult", "SolveCache", "SolverError", "StateLimitError",
+    "ThresholdTable", "Tuner", "TunerConfig", "best_thresholds", "choose_delta",
     "compare_latency_models", "feasible_thresholds", "fit_latency", "is_feasible", "simulate",
     "solve_dtmc", "solve_grid", "solve_many", "threshold_table", "throughput",
 ]

@@ -3,7 +3,19 @@
 F (feedback states): the highest-ranked running model (slowest first) has
 just launched.  Every cycle passes through F, so the other states Y form a
 DAG; ordering Y by the residual vector in rank order, lexicographically
-descending, makes (I - T_YY) unit lower triangular.  See `_solver`.
+descending, makes every Y -> Y transition go forward.  See `_solver`.
+
+Solver order is [Y in that order, then F chain by chain].  With it, applying
+the chain censored to F is one matrix-vector product and ONE unit lower
+triangular solve over all n states:
+
+    [ I - T_YY^T   0 ] [z_Y]   [T_YF^T v]          z_F = T_FF^T v + T_FY^T z_Y
+    [  -T_FY^T     I ] [z_F] = [T_FF^T v]   gives       = S^T v,
+
+where the right-hand side is T^T restricted to F's columns.  The matrix on
+the left is just the Y sources' columns of I - T^T (whatever their
+destinations) plus unit columns for F, so building it needs no split of the
+transitions by destination: one gather of each source's run, in order.
 """
 
 from __future__ import annotations
@@ -19,102 +31,70 @@ class SolverError(RuntimeError):
     pass
 
 
+_GSTRS_OK: bool | None = None  # SuperLU's private triangular kernel checked once per process
+
+
 class UnitLowerSolver:
-    """x = L^-1 b for a sparse unit lower-triangular L (the DAG part).
+    """x = L^-1 b for a sparse unit lower-triangular L, diagonal first in each column.
 
     SuperLU's triangular kernel (gstrs) is called directly with L as the
     "L factor" and an empty U, as scipy's own spsolve_triangular does, but
-    without its per-call copies.  gstrs is private scipy API, so if it is
-    missing we fall back to splu in natural order (which re-"factorises" the
-    already triangular matrix once: correct, only slower).
+    without its per-call copies.  gstrs is private scipy API, so it is
+    self-checked once; if that fails we fall back to splu in natural order
+    (which re-"factorises" the already triangular matrix: correct, slower).
     """
 
-    def __init__(self, L: sp.csc_matrix) -> None:
-        self.n = L.shape[0]
-        self.L = L
+    def __init__(self, data: np.ndarray, indices: np.ndarray, indptr: np.ndarray) -> None:
+        global _GSTRS_OK
+        self.n = indptr.size - 1
+        self.data, self.indices, self.indptr = data, indices.astype(np.intc), indptr.astype(np.intc)
+        self._U = [np.zeros(0), np.zeros(0, dtype=np.intc), np.zeros(self.n + 1, dtype=np.intc)]
+        if _GSTRS_OK is None:
+            _GSTRS_OK = _check_gstrs()
         self._lu = None
-        try:
-            from scipy.sparse.linalg._dsolve import _superlu
-
-            self._gstrs = _superlu.gstrs
-            self._Li = L.indices.astype(np.intc)
-            self._Lp = L.indptr.astype(np.intc)
-            self._U = sp.csc_matrix((self.n, self.n))
-            self._Ui = self._U.indices.astype(np.intc)
-            self._Up = self._U.indptr.astype(np.intc)
-            probe = np.linspace(1.0, 2.0, self.n)
-            x = self.solve(probe)
-            if not np.allclose(L @ x, probe, rtol=1e-9, atol=1e-9):
-                raise RuntimeError("gstrs self-check failed")
-        except Exception:  # any API drift: use the public path
-            self._gstrs = None
+        if not _GSTRS_OK:
+            L = sp.csc_matrix((data, indices, indptr), shape=(self.n, self.n))
             self._lu = spl.splu(L, permc_spec="NATURAL", diag_pivot_thresh=0.0,
                                 options=dict(SymmetricMode=True))
 
     def solve(self, b: np.ndarray) -> np.ndarray:
-        if self._gstrs is None:
+        """Solves in place when b is a float64 array (the callers pass temporaries)."""
+        if self._lu is not None:
             return self._lu.solve(b)
-        x, info = self._gstrs("N", self.n, self.L.nnz, self.L.data, self._Li, self._Lp,
-                              self.n, 0, self._U.data, self._Ui, self._Up,
-                              np.array(b, dtype=float, copy=True))
+        from scipy.sparse.linalg._dsolve import _superlu
+
+        x, info = _superlu.gstrs("N", self.n, self.data.size, self.data, self.indices, self.indptr,
+                                 self.n, 0, *self._U, np.asarray(b, dtype=float))
         if info:
             raise SolverError(f"triangular solve failed (info={info})")
         return x
 
 
-def f_y_blocks(cb: ChainBatch, pos: np.ndarray, nF: int):
-    """The four F/Y blocks of T^T, as CSC matrices, plus L = I - T_YY^T.
+def _check_gstrs() -> bool:
+    try:
+        from scipy.sparse.linalg._dsolve import _superlu
 
-    No sorting: the BFS emits transitions grouped by source in id order, so
-    T is already CSR by source, i.e. T^T is CSC by source.  Reordering the
-    sources is a segment gather; splitting by destination (F or Y) is a mask
-    and a cumulative count.  Everything is O(nnz).
-    """
-    n = cb.n
-    nY = n - nF
-    order = np.argsort(pos)  # inverse permutation
-    if cb.src.size > 1 and np.any(cb.src[1:] < cb.src[:-1]):
-        raise SolverError("transitions must be grouped by source in id order")
-    counts = np.bincount(cb.src, minlength=n)
-    indptr = np.concatenate([[0], np.cumsum(counts)])
-
-    def by_source(ids: np.ndarray):
-        c = counts[ids]
-        ip = np.concatenate([[0], np.cumsum(c)])
-        it = np.int32 if ip[-1] < 2**31 else np.int64
-        take = np.repeat((indptr[ids] - ip[:-1]).astype(it), c) + np.arange(ip[-1], dtype=it)
-        return ip, pos[cb.dst[take]], cb.prob[take]
-
-    def split(ip: np.ndarray, dst: np.ndarray, data: np.ndarray, ncols: int):
-        to_f = dst < nF
-        before = np.concatenate([[0], np.cumsum(to_f)])[ip]  # F entries before each column
-        A_f = sp.csc_matrix((data[to_f], dst[to_f], before), shape=(nF, ncols))
-        to_y = ~to_f
-        A_y = sp.csc_matrix((data[to_y], dst[to_y] - nF, ip - before), shape=(nY, ncols))
-        return A_f, A_y
-
-    A_FF, A_YF = split(*by_source(order[:nF]), nF)  # sources in F
-    A_FY, A_YY = split(*by_source(order[nF:]), nY)  # sources in Y
-    # L = I - A_YY with the unit diagonal stored FIRST in every column: Y -> Y
-    # edges go strictly forward, so all other rows are below it (SuperLU's
-    # triangular kernel needs the diagonal first, the rest in any order).
-    ip = A_YY.indptr + np.arange(nY + 1)
-    diag = ip[:-1]
-    off = np.ones(ip[-1], dtype=bool)
-    off[diag] = False
-    idx = np.empty(ip[-1], dtype=np.int32)
-    val = np.empty(ip[-1])
-    idx[diag], val[diag] = np.arange(nY), 1.0
-    idx[off], val[off] = A_YY.indices, -A_YY.data
-    L = sp.csc_matrix((val, idx, ip), shape=(nY, nY))
-    return A_FF, A_YF, A_FY, L
+        rng = np.random.default_rng(0)
+        n = 50
+        L = sp.tril(sp.random(n, n, density=0.2, random_state=1), k=-1).tocsc() * -0.3
+        L = (L + sp.identity(n, format="csc")).tocsc()
+        b = rng.random(n)
+        U = [np.zeros(0), np.zeros(0, dtype=np.intc), np.zeros(n + 1, dtype=np.intc)]
+        # Diagonal first in each column, as we build ours.
+        order = np.lexsort((L.indices != np.repeat(np.arange(n), np.diff(L.indptr)),
+                            np.repeat(np.arange(n), np.diff(L.indptr))))
+        x, info = _superlu.gstrs("N", n, L.nnz, L.data[order].copy(), L.indices[order].astype(np.intc),
+                                 L.indptr.astype(np.intc), n, 0, *U, b.copy())
+        return info == 0 and bool(np.allclose(L @ x, b, rtol=1e-10, atol=1e-12))
+    except Exception:  # any API drift: use the public path
+        return False
 
 
-def feedback_order(Bt: np.ndarray, R: np.ndarray, d_units: np.ndarray) -> tuple[np.ndarray, int]:
-    """Return (order, nF): state ids with F first, then Y topologically."""
-    n, M = Bt.shape
+def solver_order(cb: ChainBatch, d_units: np.ndarray) -> tuple[np.ndarray, int]:
+    """Return (order, nY): state ids with Y first (topologically), then F by chain."""
+    n, M = cb.Bt.shape
     rank = np.argsort(-d_units.max(axis=1), kind="stable")
-    Rr, Br = R[:, rank], Bt[:, rank]
+    Rr, Br = cb.R[:, rank], cb.Bt[:, rank]
     top = np.argmax(Br > 0, axis=1)
     rows = np.arange(n)
     is_f = Rr[rows, top] == d_units[rank[top], Br[rows, top]]
@@ -124,5 +104,37 @@ def feedback_order(Bt: np.ndarray, R: np.ndarray, d_units: np.ndarray) -> tuple[
         key = key * (int(d_units[rank[j]].max()) + 1) + Rr[:, j]
     f_ids = np.flatnonzero(is_f)
     y_ids = np.flatnonzero(~is_f)
-    order = np.concatenate([f_ids, y_ids[np.argsort(-key[y_ids], kind="stable")]])
-    return order, f_ids.size
+    f_ids = f_ids[np.argsort(cb.cid[f_ids], kind="stable")]
+    return np.concatenate([y_ids[np.argsort(-key[y_ids], kind="stable")], f_ids]), y_ids.size
+
+
+def solver_blocks(cb: ChainBatch, order: np.ndarray, pos: np.ndarray, nY: int
+                  ) -> tuple[UnitLowerSolver, sp.csc_matrix]:
+    """The lower-triangular system above, and T^T's F-source columns (n x nF)."""
+    n, T = cb.n, cb.dst.size
+    it = np.int32 if T + n < 2**31 else np.int64
+    ptr, counts = cb.indptr.astype(it), cb.counts.astype(it)
+
+    def runs(ids: np.ndarray, lead: int) -> tuple[np.ndarray, np.ndarray]:
+        # Indices into dst/prob of every transition of each source in ids,
+        # in that order, leaving `lead` free slots before each run.
+        c = counts[ids] + lead
+        ip = np.zeros(ids.size + 1, dtype=it)
+        np.cumsum(c, out=ip[1:])
+        take = np.repeat(ptr[ids] - ip[:-1] - lead, c)
+        take += np.arange(ip[-1], dtype=it)
+        return ip, take
+
+    # Columns of the triangular matrix: Y sources, their unit diagonal first
+    # (SuperLU's kernel wants it first) from the self-id tail of dst_ext;
+    # F sources: the unit diagonal only.
+    ipY, takeY = runs(order[:nY], 1)
+    takeY[ipY[:-1]] = T + order[:nY]
+    take = np.concatenate([takeY, T + order[nY:].astype(it)])
+    ip = np.concatenate([ipY, ipY[-1] + np.arange(1, n - nY + 1, dtype=it)])
+    data = cb.prob_ext[take]
+    np.negative(data, out=data)  # I - T^T; the tail's -1 becomes the diagonal's +1
+    lower = UnitLowerSolver(data, pos[cb.dst_ext[take]], ip)
+    ipF, takeF = runs(order[nY:], 0)
+    A_F = sp.csc_matrix((cb.prob[takeF], pos[cb.dst[takeF]], ipF), shape=(n, n - nY))
+    return lower, A_F

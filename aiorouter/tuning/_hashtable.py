@@ -31,8 +31,10 @@ class Int64Map:
 
     def _slots(self, keys: np.ndarray) -> np.ndarray:
         # Multiplicative hashing: take the top `bits` bits of key * golden.
-        h = keys.astype(np.uint64) * _GOLDEN
-        return (h >> np.uint64(64 - self._bits)).astype(np.int64)
+        # Views, not astype: keys are non-negative, and each copy is a full pass.
+        h = keys.view(np.uint64) * _GOLDEN
+        h >>= np.uint64(64 - self._bits)
+        return h.view(np.int64)
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Ids of `keys`, -1 where absent."""

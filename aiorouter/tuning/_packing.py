@@ -1,4 +1,13 @@
-"""Injective int64 keys for DTMC states (so a hash map can deduplicate them)."""
+"""Injective int64 keys for DTMC states, linear per model so the BFS can build them.
+
+A model's fields (k, b, r) get one code: the index of the pair (k, b) among
+the pairs with k + b <= N (about half of (N+1)^2), times (rmax + 1), plus r.
+A state's key is sum_j code_j * stride_j (mixed radix over models), plus
+chain * space when several chains share one BFS.  Because the key is a SUM of
+per-model terms, the BFS gets a target's key from small lookup tables
+(`step_tables`) without materialising the target's fields; only states seen
+for the first time are decoded.
+"""
 
 from __future__ import annotations
 
@@ -6,63 +15,69 @@ import math
 
 import numpy as np
 
+KEY_LIMIT = 2**62  # keys (chain offset included) stay below this
+
 
 class KeySpaceError(ValueError):
     """The packed state key would not fit in 62 bits."""
 
 
-class Packer:
-    """Injective int64 key of a state (per-model columns k, b, r).
-
-    Mixed radix over every field when that fits; otherwise the rank of the
-    (k, b) composition (they sum to N) times a residual radix.
-    """
+class Encoder:
+    """Per-model codes (k, b, r) -> int and the keys built from them."""
 
     def __init__(self, M: int, N: int, rmax: np.ndarray) -> None:
         self.M, self.N = M, N
-        radix = [int(v) + 1 for v in rmax]
-        self.rstride = [math.prod(radix[:i]) for i in range(M)]
-        self.rspace = math.prod(radix)
-        plain = (N + 1) ** (2 * M) * self.rspace
-        self.ranked = plain >= 2**40
-        if not self.ranked:
-            # key = sum_i k_i s_k[i] + b_i s_b[i] + r_i * rstride[i]
-            self.kstride = [self.rspace * (N + 1) ** (2 * i) for i in range(M)]
-            self.bstride = [self.rspace * (N + 1) ** (2 * i + 1) for i in range(M)]
-            self.space = plain
-            return
-        n = 2 * M
-        cnt = [[math.comb(s + p - 1, p - 1) if p else 0 for s in range(N + 1)] for p in range(n + 1)]
-        S = np.zeros((n - 1, N + 1, N + 1), dtype=np.int64)
-        for j in range(n - 1):
-            for rem in range(N + 1):
-                acc = 0
-                for x in range(rem + 1):
-                    S[j, rem, x] = acc
-                    acc += cnt[n - j - 1][rem - x]
-        self.S = S
-        self.space = cnt[n][N] * self.rspace
-        if self.space >= 2**62:
+        k, b = np.meshgrid(np.arange(N + 1), np.arange(N + 1), indexing="ij")
+        ok = (k + b) <= N
+        self.pair = np.full((N + 1, N + 1), -1, dtype=np.int64)  # pair[k, b] -> index
+        self.pair[ok] = np.arange(int(ok.sum()))
+        self.pk, self.pb = k[ok].astype(np.int32), b[ok].astype(np.int32)  # index -> k, b
+        self.rrad = [int(v) + 1 for v in rmax]
+        self.radix = [int(ok.sum()) * r for r in self.rrad]
+        self.stride = [math.prod(self.radix[:j]) for j in range(M)]
+        self.space = math.prod(self.radix)
+        if self.space >= KEY_LIMIT:
             raise KeySpaceError(
-                f"state encoding needs more than 62 bits (M = {M}, N = {N}); "
-                "use a coarser delta or fewer models"
+                f"state encoding needs more than 62 bits (M = {M}, N = {N}, up to "
+                f"{max(rmax)} time units per step); use a coarser delta or fewer models"
             )
 
-    def keys(self, K: list[np.ndarray], Bt: list[np.ndarray], R: list[np.ndarray]) -> np.ndarray:
-        if not self.ranked:
-            key = R[0].astype(np.int64)
-            for i in range(self.M):
-                if i:
-                    key += R[i].astype(np.int64) * self.rstride[i]
-                key += K[i].astype(np.int64) * self.kstride[i]
-                key += Bt[i].astype(np.int64) * self.bstride[i]
-            return key
-        rank = np.zeros(K[0].shape[0], dtype=np.int64)
-        rem = np.full(K[0].shape[0], self.N, dtype=np.int64)
-        for j, x in enumerate(K + Bt[:-1]):
-            rank += self.S[j, rem, x]
-            rem -= x
-        res = R[0].astype(np.int64)
-        for i in range(1, self.M):
-            res += R[i].astype(np.int64) * self.rstride[i]
-        return rank * np.int64(self.rspace) + res
+    def code(self, j: int, k: np.ndarray, b: np.ndarray, r: np.ndarray) -> np.ndarray:
+        """Model j's term of the key (already times its stride)."""
+        return (self.pair[k, b] * self.rrad[j] + r) * self.stride[j]
+
+    def step_tables(self, B: np.ndarray, d_units: np.ndarray) -> list[np.ndarray]:
+        """Per model j, T_j[c, b, k'] flattened: the key term after routing.
+
+        b = 0: the model is idle after this epoch (it was, or it just
+        completed) and k' requests wait: it launches all of them when
+        k' >= B_j of chain c.  b >= 1: it keeps running a batch of b with k'
+        queued (its residual is added separately).  Entries with k' + b > N
+        are never used.
+        """
+        N, nB = self.N, B.shape[0]
+        kq = np.arange(N + 1)
+        out = []
+        for j in range(self.M):
+            T = np.zeros((nB, N + 1, N + 1), dtype=np.int64)
+            for b in range(1, N + 1):
+                kk = kq[: N + 1 - b]
+                T[:, b, : N + 1 - b] = self.code(j, kk, np.full_like(kk, b), 0)
+            queued = self.code(j, kq, np.zeros_like(kq), 0)
+            launched = self.code(j, np.zeros_like(kq), kq, d_units[j, kq])
+            T[:, 0, :] = np.where(kq[None, :] >= B[:, j:j + 1], launched[None, :], queued[None, :])
+            out.append(T.ravel())
+        return out
+
+    def decode(self, keys: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray],
+                                                list[np.ndarray]]:
+        """keys -> (chain, K, Bt, R) with per-model int32 columns."""
+        cid, rest = np.divmod(keys, self.space)
+        K, Bt, R = [], [], []
+        for j in range(self.M):
+            rest, code = np.divmod(rest, self.radix[j]) if j < self.M - 1 else (None, rest)
+            p, r = np.divmod(code, self.rrad[j])
+            K.append(self.pk[p])
+            Bt.append(self.pb[p])
+            R.append(r.astype(np.int32))
+        return cid.astype(np.int32), K, Bt, R

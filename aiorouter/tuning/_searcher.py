@@ -81,10 +81,23 @@ class Searcher:
         self.sizes: dict[int, dict[tuple[int, ...], int]] = {}
 
     def _guess(self, N: int, Bs: Iterable[tuple[int, ...]]) -> dict[tuple[int, ...], float]:
+        """Predicted states of each B at N, from N - 1 (and N - 2 for the growth)."""
         prev, prev2 = self.sizes.get(N - 1, {}), self.sizes.get(N - 2, {})
-        ratios = [prev[b] / prev2[b] for b in prev if b in prev2 and prev2[b] > 0]
-        growth = max(ratios) if ratios else 3.0
-        return {b: prev[b] * growth for b in Bs if b in prev}
+        common = [b for b in prev if b in prev2]
+        # The ratio of totals, not the largest ratio: one chain that grew from
+        # 2 states to 300 would otherwise inflate every guess 150-fold and cut
+        # the batches so small that per-level overhead dominated.
+        growth = (sum(prev[b] for b in common) / max(1, sum(prev2[b] for b in common))
+                  if common else 3.0)
+        out = {}
+        for b in Bs:
+            # A B new at this N: its neighbour with one threshold lower.
+            near = [prev[b]] if b in prev else [
+                prev[c] for j in range(len(b)) if b[j] > 1
+                for c in [b[:j] + (b[j] - 1,) + b[j + 1:]] if c in prev]
+            if near:
+                out[b] = max(near) * growth
+        return out
 
     def run(self, Ns: Sequence[int]) -> list[SearchResult]:
         M = self.spec.M

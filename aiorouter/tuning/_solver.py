@@ -10,8 +10,10 @@ We solve the chain censored to F (|F| ~ 5-15 % of n), whose transition
 operator costs one triangular solve to apply:
     S^T v = T_FF^T v + T_FY^T (I - T_YY^T)^-1 T_YF^T v.
 Restarted GMRES solves (I - S^T) x + u (1^T x) = u, u = the start state, in
-20-70 applications; the result is checked to be a fixed point (else the
-power method takes over, lazy if periodic) and to be THE fixed point: a
+10-70 applications per chain (each chain of a batch keeps its own Krylov
+coefficients, `_iterate`); each chain's result is checked to be a fixed
+point (else a long-restart GMRES, then the power method, lazy if periodic,
+take over for that chain) and to be THE fixed point: a
 cheap sufficient condition on P, or else one reversed BFS, proves there is a
 single closed class.  With several, the power method on the full chain from
 the start state gives the long-run mixture the start leads to.  Exact up to
@@ -27,11 +29,11 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.sparse.csgraph import breadth_first_order, connected_components
 
-from ._blocks import SolverError, UnitLowerSolver, f_y_blocks, feedback_order
-from ._iterate import gmres, power
+from ._blocks import SolverError, solver_blocks, solver_order
+from ._iterate import Segments, gmres, power
 from ._statespace import ChainBatch
 
-__all__ = ["SolverError", "feedback_order", "stationary_batch"]
+__all__ = ["SolverError", "solver_order", "stationary_batch"]
 
 
 def stationary_batch(
@@ -39,71 +41,77 @@ def stationary_batch(
     P: np.ndarray | None = None,
 ) -> tuple[np.ndarray, int, np.ndarray]:
     """pi for every chain (each chain's block sums to 1), iterations, closed classes per chain."""
-    n, nB = cb.n, len(cb.Bs)
-    order, nF = feedback_order(cb.Bt, cb.R, d_units)
-    nY = n - nF
+    n, nB = cb.n, cb.nB
+    order, nY = solver_order(cb, d_units)
     pos = np.empty(n, dtype=np.int32)
     pos[order] = np.arange(n, dtype=np.int32)
-    A_FF, A_YF, A_FY, L = f_y_blocks(cb, pos, nF)
-    lu = UnitLowerSolver(L) if nY else None
+    lower, A_F = solver_blocks(cb, order, pos, nY)
 
-    def to_y(v: np.ndarray) -> np.ndarray:
-        return lu.solve(A_YF @ v) if lu is not None else np.zeros(0)
-
-    cidF = cb.cid[order[:nF]]
+    def through_y(v: np.ndarray) -> np.ndarray:  # [z_Y, S^T v] (see _blocks)
+        return lower.solve(A_F @ v)
 
     def censored(v: np.ndarray) -> np.ndarray:  # v -> S^T v, chain by chain
-        out = A_FF @ v
-        if lu is not None:
-            out += A_FY @ to_y(v)
-        return out
+        return through_y(v)[nY:]
 
-    def chain_sums(v: np.ndarray) -> np.ndarray:
-        return np.bincount(cidF, weights=v, minlength=nB)
-
-    u = np.zeros(nF)
-    u[pos[cb.start]] = 1.0
-    x, iters = gmres(censored, chain_sums, cidF, u, tol)
-    # Verify: each chain's block must be a distribution fixed by S^T.
-    if x is None or not _is_fixed_point(x, censored, chain_sums, tol):
-        # GMRES failed numerically: the power method on the censored chain
-        # is slower but cannot go wrong (lazy once it looks periodic).
-        x, more = power(censored, chain_sums, cidF, u, nB, tol, max_sweeps)
+    seg = Segments(cb.cid[order[nY:]], nB)  # F comes chain by chain
+    u = np.zeros(n - nY)
+    u[pos[cb.start] - nY] = 1.0
+    x, ok, iters = gmres(censored, seg, u, tol)
+    ok &= _fixed_points(x, censored, seg, tol)
+    if not ok.all():
+        # A chain GMRES could not solve: once more alone with a long restart
+        # (the others have u = 0 there, so they sit idle), then the power
+        # method, which is slow on nearly periodic chains but cannot go wrong.
+        bad = ~ok
+        x2, ok2, more = gmres(censored, seg, u * bad[seg.cid], tol, restart=150, max_iter=3000)
         iters += more
+        ok2 &= bad & _fixed_points(x2, censored, seg, tol)
+        x = np.where(ok2[seg.cid], x2, x)
+        ok |= ok2
+    if not ok.all():
+        start = np.where(ok[seg.cid], x, u)
+        xp, more = power(censored, seg, start, tol, max_sweeps, which=~ok)
+        iters += more
+        x = np.where(ok[seg.cid], x, xp)
     if not (P is not None and _surely_one_class(P, cb.Bs)):
         # ... and unique.  With several closed classes the system is singular
         # and GMRES may return any mixture of their stationary vectors, not the
         # one the start state leads to.  One closed class <=> every state can
         # reach the chain's most likely state.
-        if not _all_reach(cb, order[_argmax_per_chain(x, cidF, nB)]):
+        if not _all_reach(cb, order[nY + _argmax_per_chain(x, seg.cid, nB)]):
             # The power method from the start state converges to the
             # long-run mixture it leads to.  It must run on the full chain:
             # censoring to F would reweight the classes by their |Y|/|F| mass.
             full, more = _power_full(cb, tol, max_sweeps)
             return full, iters + more, _closed_classes(cb)
     classes = np.ones(nB, dtype=np.int64)
-    full = np.concatenate([x, to_y(x)])
+    full = np.concatenate([through_y(x)[:nY], x])
     np.clip(full, 0.0, None, out=full)
     cid_sorted = cb.cid[order]
     full /= np.bincount(cid_sorted, weights=full, minlength=nB)[cid_sorted]
     return full[pos], iters, classes
 
 
-def _is_fixed_point(x: np.ndarray, S: Callable[[np.ndarray], np.ndarray],
-                    sums: Callable[[np.ndarray], np.ndarray], tol: float) -> bool:
-    resid = sums(np.abs(S(x) - x))
-    return bool(np.all(resid < 1e3 * tol) and x.min() > -1e-9)
+def _fixed_points(x: np.ndarray, S: Callable[[np.ndarray], np.ndarray], seg: Segments,
+                  tol: float) -> np.ndarray:
+    """Per chain: is x's block a distribution fixed by S, up to the tolerance?"""
+    resid = seg.sums(np.abs(S(x) - x))
+    lowest = np.minimum.reduceat(x, seg.starts)
+    # Entries of states with ~0 mass come out at -tol-ish; they are clipped later.
+    return (resid < 1e3 * tol) & (lowest > -1e2 * tol) & np.isfinite(resid)
 
 
 def _power_full(cb: ChainBatch, tol: float, max_sweeps: int) -> tuple[np.ndarray, int]:
     """Cesaro limit of the embedded chain from each start state (slow, robust)."""
-    n, nB = cb.n, len(cb.Bs)
-    AT = sp.csr_matrix((cb.prob, (cb.dst, cb.src)), shape=(n, n))
+    n, nB = cb.n, cb.nB
+    perm = np.argsort(cb.cid, kind="stable")  # chain by chain, for Segments
+    at = np.empty(n, dtype=np.int64)
+    at[perm] = np.arange(n)
+    AT = sp.csr_matrix((cb.prob, (at[cb.dst], at[cb.src])), shape=(n, n))
     u = np.zeros(n)
-    u[cb.start] = 1.0
-    x, it = power(lambda v: AT @ v, lambda v: np.bincount(cb.cid, weights=v, minlength=nB),
-                   cb.cid, u, nB, tol, max_sweeps)
-    return x, it
+    u[at[cb.start]] = 1.0
+    x, it = power(lambda v: AT @ v, Segments(cb.cid[perm], nB), u, tol, max_sweeps)
+    return x[at], it
 
 
 def _surely_one_class(P: np.ndarray, Bs: list[tuple[int, ...]]) -> bool:

@@ -8,26 +8,29 @@ expands the whole frontier at once:
 2. Completing models go idle and their requests are pooled in the queues, so
    only the SUM of their multinomials matters; that convolved distribution
    is tabulated once per "completion signature" (b_i for i in A, else 0).
-3. np.repeat expands each state into its routing outcomes, the launch rule is
-   applied column-wise, and targets are packed into int64 keys that are
-   looked up / inserted in an open-addressing hash map.
+3. Each state is repeated once per routing outcome and the targets' keys are
+   summed from per-model lookup tables (`_packing`): the launch rule is in
+   the tables, so no target's fields are built.  Keys are looked up / added
+   in an open-addressing hash map and only new states are decoded.
 
 Several threshold vectors B are enumerated in one BFS (the chain index is part
 of the key): small chains are dominated by per-level numpy overhead, which a
 batch shares.  The BFS stops as soon as a chain passes `max_states`, or the
-batch passes its `budget` (the caller then splits the batch).
+batch passes its `budget` (the caller then splits the batch).  States keep
+BFS order (the solver picks its own order); chain c's start state is id c.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
 
 from ._hashtable import Int64Map
 from ._outcomes import OutcomeTables
-from ._packing import KeySpaceError, Packer
+from ._packing import KEY_LIMIT, Encoder, KeySpaceError
 
 
 class StateLimitError(ValueError):
@@ -40,44 +43,53 @@ class BudgetExceeded(Exception):
 
 @dataclass
 class ChainBatch:
-    """Reachable states of several chains, numbered chain by chain."""
+    """Reachable states of several chains (BFS order) and their transitions."""
 
     Bs: list[tuple[int, ...]]
-    offsets: np.ndarray  # (nB + 1,) chain c owns states offsets[c]:offsets[c+1]
     cid: np.ndarray  # (n,) chain of each state
     K: np.ndarray  # (n, M) post-launch queue lengths
     Bt: np.ndarray  # (n, M) running batch sizes, 0 = idle
     R: np.ndarray  # (n, M) residuals in units, 0 = idle
     tau: np.ndarray  # (n,) holding time in units
     done: np.ndarray  # (n, M) batch completing at the end of the hold (0 = none)
-    src: np.ndarray  # transitions: source state, non-decreasing (grouped by source)
-    dst: np.ndarray  # transitions: target state
-    prob: np.ndarray  # transitions: probability
-    start: np.ndarray  # (nB,) start state of each chain
+    counts: np.ndarray  # (n,) transitions out of each state; they are stored source by source
+    dst_ext: np.ndarray  # (T + n,) targets, then n self-ids (the solver's unit diagonal)
+    prob_ext: np.ndarray  # (T + n,) probabilities, then n times -1
     unit: int  # quanta per time unit
 
     @property
     def n(self) -> int:
         return self.K.shape[0]
 
+    @property
+    def nB(self) -> int:
+        return len(self.Bs)
+
+    @property
+    def dst(self) -> np.ndarray:
+        return self.dst_ext[: self.dst_ext.size - self.n]
+
+    @property
+    def prob(self) -> np.ndarray:
+        return self.prob_ext[: self.prob_ext.size - self.n]
+
+    @cached_property
+    def indptr(self) -> np.ndarray:  # state s's transitions: indptr[s]:indptr[s+1]
+        return np.concatenate([[0], np.cumsum(self.counts)])
+
+    @cached_property
+    def src(self) -> np.ndarray:
+        return np.repeat(np.arange(self.n, dtype=np.int32), self.counts)
+
+    @property
+    def start(self) -> np.ndarray:
+        return np.arange(self.nB)
+
     def sizes(self) -> np.ndarray:
-        return np.diff(self.offsets)
+        return np.bincount(self.cid, minlength=self.nB)
 
     def transitions_per_chain(self) -> np.ndarray:
-        # src is grouped by source and chains own contiguous id ranges.
-        return np.diff(np.searchsorted(self.src, self.offsets))
-
-
-def _launch(K: list[np.ndarray], Bt: list[np.ndarray], R: list[np.ndarray],
-            thr: list, d: np.ndarray) -> None:
-    """Step 4 in place: idle models with k_i >= B_i take their whole queue."""
-    for i in range(len(K)):
-        go = (Bt[i] == 0) & (K[i] >= thr[i])
-        if go.any():
-            k = K[i][go]
-            Bt[i][go] = k
-            R[i][go] = d[i][k]
-            K[i][go] = 0
+        return np.bincount(self.cid, weights=self.counts, minlength=self.nB).astype(np.int64)
 
 
 def enumerate_chains(
@@ -92,72 +104,66 @@ def enumerate_chains(
 ) -> ChainBatch:
     """BFS from the start state of every B in Bs at once."""
     M, nB = P.shape[0], len(Bs)
-    Barr = np.array(Bs, dtype=np.int32).reshape(nB, M)
-    d32 = d_units.astype(np.int32)
+    Barr = np.array(Bs, dtype=np.int64).reshape(nB, M)
     try:
-        packer = Packer(M, N, d_units.max(axis=1))
+        enc = Encoder(M, N, d_units.max(axis=1))
     except KeySpaceError as e:
         raise StateLimitError(str(e)) from None
-    if nB * packer.space >= 2**62:
+    if nB * enc.space >= KEY_LIMIT:
         raise BudgetExceeded()
-    space = np.int64(packer.space)
+    steps = enc.step_tables(Barr, d_units)
+    space = np.int64(enc.space)
     tables = OutcomeTables(P, N)
     big = np.int32(d_units.max() + 1)
+    width = (N + 1) ** 2
 
-    def thresholds(cid: np.ndarray) -> list:
-        # One chain: scalars broadcast; several: gather each row's own B.
-        return [int(Barr[0, i]) if nB == 1 else Barr[cid, i] for i in range(M)]
-
-    cid = np.arange(nB, dtype=np.int32)
-    K = [np.zeros(nB, dtype=np.int32) for _ in range(M)]
-    K[0][:] = N
-    Bt = [np.zeros(nB, dtype=np.int32) for _ in range(M)]
-    R = [np.zeros(nB, dtype=np.int32) for _ in range(M)]
-    _launch(K, Bt, R, thresholds(cid), d32)
+    # Start: all N wait at model 0, everyone idle; the tables apply the launch rule.
+    chains = np.arange(nB, dtype=np.int64)
+    keys0 = chains * space + steps[0][chains * width + N]
+    for j in range(1, M):
+        keys0 += steps[j][chains * width]
     hmap = Int64Map(size_hint)
-    hmap.insert_new(cid * space + packer.keys(K, Bt, R))
+    hmap.insert_new(keys0)
+    cid, K, Bt, R = enc.decode(keys0)
     per_chain = np.ones(nB, dtype=np.int64)
 
-    names = ["cid", "tau"] + [f"{f}{i}" for f in ("K", "Bt", "R", "done") for i in range(M)]
-    lv: dict[str, list[np.ndarray]] = {k: [] for k in names + ["src", "dst", "prob"]}
-    base = 0
-    while K[0].shape[0]:
-        n = K[0].shape[0]
-        tau = np.full(n, big, dtype=np.int32)
+    names = ["cid", "tau", "counts"] + [f"{f}{i}" for f in ("K", "Bt", "R", "done") for i in range(M)]
+    lv: dict[str, list[np.ndarray]] = {k: [] for k in names + ["dst", "prob"]}
+    while cid.shape[0]:
+        tau = np.full(cid.shape[0], big, dtype=np.int32)
         for i in range(M):
             np.minimum(tau, np.where(Bt[i] > 0, R[i], big), out=tau)
         comp = [(Bt[i] > 0) & (R[i] == tau) for i in range(M)]
         done = [np.where(comp[i], Bt[i], 0) for i in range(M)]
-        lv["cid"].append(cid)
-        lv["tau"].append(tau)
-        for i in range(M):
-            lv[f"K{i}"].append(K[i])
-            lv[f"Bt{i}"].append(Bt[i])
-            lv[f"R{i}"].append(R[i])
-            lv[f"done{i}"].append(done[i])
-
-        code = done[0].astype(np.int64)
+        sig = done[0].astype(np.int64)
         for i in range(1, M):
-            code += done[i].astype(np.int64) * (N + 1) ** i
-        cnt_row, off_row = tables.lookup(code)
-        rep = np.repeat(np.arange(n), cnt_row)
-        starts = np.cumsum(cnt_row) - cnt_row
-        flat = np.arange(rep.size) - np.repeat(starts - off_row, cnt_row)
-
-        K2 = [K[i][rep] + tables.vecs[i][flat] for i in range(M)]
-        Bt2 = [np.where(comp[i], 0, Bt[i])[rep] for i in range(M)]
-        R2 = [np.where((Bt[i] > 0) & ~comp[i], R[i] - tau, 0)[rep] for i in range(M)]
-        cid2 = cid[rep]
-        _launch(K2, Bt2, R2, thresholds(cid2), d32)
-        keys = packer.keys(K2, Bt2, R2)
-        if nB > 1:
-            keys += cid2.astype(np.int64) * space
+            sig += done[i].astype(np.int64) * (N + 1) ** i
+        cnt, off = tables.lookup(sig)
+        total = int(cnt.sum())
+        # Outcome index of every transition: off[s], off[s] + 1, ... per source s.
+        flat = np.repeat(off - (np.cumsum(cnt) - cnt), cnt) + np.arange(total)
+        # Key = part fixed by the source (chain, residuals of models still
+        # running) + per model a table entry picked by (source, outcome).
+        fixed = cid.astype(np.int64) * space
+        for i in range(M):
+            keep = (Bt[i] > 0) & ~comp[i]
+            fixed += np.where(keep, R[i] - tau, 0).astype(np.int64) * enc.stride[i]
+        keys = np.repeat(fixed, cnt)
+        row0 = cid.astype(np.int64) * width
+        for i in range(M):
+            row = row0 + np.where(comp[i], 0, Bt[i]) * (N + 1) + K[i]
+            keys += steps[i][np.repeat(row, cnt) + tables.vecs[i][flat]]
+        for name, arr in (("cid", cid), ("tau", tau), ("counts", cnt)):
+            lv[name].append(arr)
+        for i in range(M):
+            for f, arr in (("K", K), ("Bt", Bt), ("R", R), ("done", done)):
+                lv[f"{f}{i}"].append(arr[i])
         ids = hmap.lookup(keys)
         new = np.flatnonzero(ids < 0)
         if new.size:
-            nk, first, inv_new = np.unique(keys[new], return_index=True, return_inverse=True)
-            sel = new[first]
-            per_chain += np.bincount(cid2[sel], minlength=nB)
+            nk, inv_new = np.unique(keys[new], return_inverse=True)
+            ncid = (nk // space).astype(np.int64)
+            per_chain += np.bincount(ncid, minlength=nB)
             worst = int(per_chain.argmax())
             if per_chain[worst] > max_states:
                 raise StateLimitError(
@@ -168,37 +174,19 @@ def enumerate_chains(
             if budget is not None and nB > 1 and hmap.size + nk.size > budget:
                 raise BudgetExceeded()
             ids[new] = hmap.insert_new(nk)[inv_new]
-            K, Bt, R = [x[sel] for x in K2], [x[sel] for x in Bt2], [x[sel] for x in R2]
-            cid = cid2[sel]
+            cid, K, Bt, R = enc.decode(nk)
         else:
-            K = [x[:0] for x in K]
-        lv["src"].append((base + rep).astype(np.int32))
+            cid = cid[:0]
         lv["dst"].append(ids.astype(np.int32))
         lv["prob"].append(tables.probs[flat])
-        base += n
 
+    n = hmap.size
+    # Self-ids with probability -1 after the transitions: the solver builds
+    # I - T with its unit diagonal from them without another copy.
+    lv["dst"].append(np.arange(n, dtype=np.int32))
+    lv["prob"].append(np.full(n, -1.0))
     cat = {k: (v[0] if len(v) == 1 else np.concatenate(v)) for k, v in lv.items()}
     for f in ("K", "Bt", "R", "done"):
         cat[f] = np.stack([cat.pop(f"{f}{i}") for i in range(M)], axis=1)
-    offsets = np.concatenate([[0], np.cumsum(np.bincount(cat["cid"], minlength=nB))])
-    Bs_out = [tuple(int(x) for x in b) for b in Bs]
-    if nB == 1:  # already numbered chain by chain
-        return ChainBatch(Bs=Bs_out, offsets=offsets, start=np.zeros(1, dtype=np.int32),
-                          unit=unit, **cat)
-    # Renumber chain by chain (stable: BFS order inside a chain).
-    order = np.argsort(cat["cid"], kind="stable")
-    newid = np.empty(order.size, dtype=np.int32)
-    newid[order] = np.arange(order.size, dtype=np.int32)
-    for name in ("cid", "K", "Bt", "R", "tau", "done"):
-        cat[name] = cat[name][order]
-    # Keep transitions grouped by source in id order (the solver relies on
-    # it): each source's run of transitions moves as one segment.
-    counts = np.bincount(cat["src"], minlength=order.size)
-    old_ptr = np.concatenate([[0], np.cumsum(counts)])
-    c = counts[order]
-    new_ptr = np.concatenate([[0], np.cumsum(c)])
-    take = np.repeat(old_ptr[order] - new_ptr[:-1], c) + np.arange(new_ptr[-1])
-    cat["src"] = np.repeat(np.arange(order.size, dtype=np.int32), c)
-    cat["dst"] = newid[cat["dst"][take]]
-    cat["prob"] = cat["prob"][take]
-    return ChainBatch(Bs=Bs_out, offsets=offsets, start=newid[np.arange(nB)], unit=unit, **cat)
+    return ChainBatch(Bs=[tuple(int(x) for x in b) for b in Bs], unit=unit,
+                      dst_ext=cat.pop("dst"), prob_ext=cat.pop("prob"), **cat)

@@ -1,7 +1,11 @@
 """`aiorouter tune`: print B* and every candidate's predicted tokens/s per N.
 
     aiorouter tune --P "0.65,0.35;1,0" --C "1,0;1,0" --latency-ms 6.0,27.9 \\
-                   --concurrency 1-8 [--delta-ms 0.1] [--latency-slope-ms 0.1,0.5]
+                   --concurrency 1-8 [--delta-ms 0.1|auto] [--latency-slope-ms 0.1,0.5]
+
+An explicit --delta-ms is honoured (a chain over --max-states stops with an
+error that names the limit); `auto` picks delta from a state budget as the
+router does at start-up (`quantum.choose_delta`).
 
 `main(argv)` takes the arguments after `tune` (server/cli.py delegates to it);
 also runnable as `python -m aiorouter.tuning.cli ...`.  Exit status 0 on
@@ -17,6 +21,7 @@ from typing import Sequence, TextIO
 
 from .dtmc import DEFAULT_MAX_STATES
 from .latency import LatencyModel
+from .quantum import DEFAULT_TABLE_STATES, choose_delta
 from .search import SolveCache, ThresholdTable, threshold_table
 from .spec import ModelSpec
 
@@ -68,7 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-slope-ms", default=None,
                    help="per-model extra ms per request in the batch (batch-dependent latency)")
     p.add_argument("--concurrency", required=True, help="N or a range LO-HI, e.g. 1-8")
-    p.add_argument("--delta-ms", type=float, default=0.1, help="time quantum in ms (default 0.1)")
+    p.add_argument("--delta-ms", default="0.1",
+                   help="time quantum in ms (default 0.1), or 'auto': the most accurate quantum whose "
+                   "table fits --table-states")
+    p.add_argument("--table-states", type=int, default=DEFAULT_TABLE_STATES,
+                   help=f"state budget of the whole table for --delta-ms auto (default {DEFAULT_TABLE_STATES:,})")
     p.add_argument("--max-states", type=int, default=DEFAULT_MAX_STATES,
                    help=f"state-space limit per chain (default {DEFAULT_MAX_STATES:,})")
     p.add_argument("--workers", type=int, default=None,
@@ -93,9 +102,19 @@ def spec_from_args(args: argparse.Namespace) -> ModelSpec:
             raise ValueError(f"model {i}: latency at batch 1 ({a} ms) is below its slope ({c} ms/request)")
     # L(b) = a + c*b with L(1) equal to the given latency.
     models = [LatencyModel(a=(a - c) / 1e3, c=c / 1e3) for a, c in zip(lat_ms, slope_ms)]
-    if args.delta_ms <= 0:
+    if args.delta_ms.strip().lower() == "auto":
+        _, hi = parse_concurrency(args.concurrency)
+        choice = choose_delta(P, models, hi, table_states=args.table_states,
+                              max_states=args.max_states)
+        print(f"aiorouter tune: {choice.describe()}", file=sys.stderr)
+        return ModelSpec.build(P, C, models, choice.delta)
+    try:
+        delta_ms = float(args.delta_ms)
+    except ValueError:
+        raise ValueError(f"--delta-ms: expected a number of ms or 'auto', got {args.delta_ms!r}") from None
+    if not delta_ms > 0:
         raise ValueError(f"--delta-ms must be positive, got {args.delta_ms}")
-    return ModelSpec.build(P, C, models, args.delta_ms / 1e3)
+    return ModelSpec.build(P, C, models, delta_ms / 1e3)
 
 
 def format_table(table: ThresholdTable, top: int = 0) -> str:

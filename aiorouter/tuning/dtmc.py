@@ -111,7 +111,6 @@ def _summarise(
     classes: np.ndarray,
 ) -> list[DTMCResult]:
     M, nB = spec.M, len(cb.Bs)
-    starts = cb.offsets[:-1]
     quantum = spec.delta * cb.unit  # seconds per time unit of the chain
     done = cb.done
     running = cb.Bt > 0
@@ -121,13 +120,12 @@ def _summarise(
     gamma, P = spec.tokens_per_step(), spec.p_array()
 
     def tot(weights: np.ndarray, feature: np.ndarray) -> np.ndarray:
-        # Chains are contiguous, so one reduceat sums every chain at once.
-        return np.add.reduceat(weights * feature, starts)
+        return np.bincount(cb.cid, weights=weights * feature, minlength=nB)
 
     def cols(weights: np.ndarray, X: np.ndarray) -> np.ndarray:  # (n, M) -> (nB, M)
         return np.stack([tot(weights, X[:, i]) for i in range(M)], axis=1)
 
-    e_tau = np.add.reduceat(w, starts)
+    e_tau = np.bincount(cb.cid, weights=w, minlength=nB)
     busy = cols(w, running) / e_tau[:, None]
     queue = cols(w, cb.K)  # time-integrated queue length
     # No `@` here: numpy hands float matmuls to a threaded BLAS, which on a

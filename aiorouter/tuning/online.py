@@ -11,20 +11,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
+from ._blocks import SolverError
+from ._statespace import StateLimitError
 from .dtmc import DEFAULT_MAX_STATES
 from .latency import LatencyLike, LatencyModel, as_latency_model
-from .search import SolveCache, ThresholdTable, threshold_table
+from .search import SearchResult, SolveCache, ThresholdTable, threshold_table
+from .spec import DEFAULT_DELTA, ModelSpec, check_concurrency, check_routing_matrix
 
 
 class TuningCancelled(Exception):
     """The Tuner's should_stop() said so mid-solve."""
-from .spec import DEFAULT_DELTA, ModelSpec, check_concurrency, check_routing_matrix
+
 
 log = logging.getLogger("aiorouter.tuning")
 
@@ -167,8 +169,16 @@ class Tuner:
         for n in range(1, cfg.max_concurrency + 1):
             if self.should_stop is not None and self.should_stop():
                 raise TuningCancelled(f"stopped before N = {n}")
-            rows += threshold_table(spec, n, min_concurrency=n, max_states=cfg.max_states,
-                                    cache=self.cache, workers=cfg.workers).rows
+            try:
+                rows += threshold_table(spec, n, min_concurrency=n, max_states=cfg.max_states,
+                                        cache=self.cache, workers=cfg.workers).rows
+            except (StateLimitError, SolverError) as e:
+                # One N failing must not cost the others: keep N - 1's B*
+                # (feasible at N too), or all ones at N = 1.
+                prev = rows[-1].best if rows else (1,) * spec.M
+                log.warning("B* (%s) N=%d: solve failed (%s); using N=%d's B=%s", why, n, e,
+                            n - 1, prev)
+                rows.append(SearchResult(n, prev, float("nan"), (), 0.0))
         table = ThresholdTable(tuple(rows), time.perf_counter() - t0)
         for row in table.rows:
             log.info("B* (%s) N=%d: B=%s predicted %.1f tokens/s",
