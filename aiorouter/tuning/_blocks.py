@@ -47,7 +47,9 @@ class UnitLowerSolver:
     def __init__(self, data: np.ndarray, indices: np.ndarray, indptr: np.ndarray) -> None:
         global _GSTRS_OK
         self.n = indptr.size - 1
-        self.data, self.indices, self.indptr = data, indices.astype(np.intc), indptr.astype(np.intc)
+        self.data = data
+        self.indices = indices.astype(np.intc, copy=False)
+        self.indptr = indptr.astype(np.intc, copy=False)
         self._U = [np.zeros(0), np.zeros(0, dtype=np.intc), np.zeros(self.n + 1, dtype=np.intc)]
         if _GSTRS_OK is None:
             _GSTRS_OK = _check_gstrs()
@@ -105,36 +107,38 @@ def solver_order(cb: ChainBatch, d_units: np.ndarray) -> tuple[np.ndarray, int]:
     f_ids = np.flatnonzero(is_f)
     y_ids = np.flatnonzero(~is_f)
     f_ids = f_ids[np.argsort(cb.cid[f_ids], kind="stable")]
-    return np.concatenate([y_ids[np.argsort(-key[y_ids], kind="stable")], f_ids]), y_ids.size
+    # Y -> Y lowers the key strictly (the top model's residual drops, or it
+    # completes and idles; relaunching would make the target F), so ties may
+    # fall in any order: the unstable sort is ~2x faster than the stable one.
+    return np.concatenate([y_ids[np.argsort(-key[y_ids])], f_ids]), y_ids.size
 
 
 def solver_blocks(cb: ChainBatch, order: np.ndarray, pos: np.ndarray, nY: int
                   ) -> tuple[UnitLowerSolver, sp.csc_matrix]:
     """The lower-triangular system above, and T^T's F-source columns (n x nF)."""
     n, T = cb.n, cb.dst.size
-    it = np.int32 if T + n < 2**31 else np.int64
-    ptr, counts = cb.indptr.astype(it), cb.counts.astype(it)
+    ptr, counts = cb.indptr, cb.counts.astype(np.intp)
 
-    def runs(ids: np.ndarray, lead: int) -> tuple[np.ndarray, np.ndarray]:
-        # Indices into dst/prob of every transition of each source in ids,
-        # in that order, leaving `lead` free slots before each run.
-        c = counts[ids] + lead
-        ip = np.zeros(ids.size + 1, dtype=it)
+    def runs(ids: np.ndarray, c: np.ndarray, lead: int) -> tuple[np.ndarray, np.ndarray]:
+        # Indices into dst/prob of the first c - lead transitions of each
+        # source in ids, in that order, after `lead` free slots each.  intp:
+        # numpy converts any other index dtype to it, a pass per gather.
+        ip = np.zeros(ids.size + 1, dtype=np.intp)
         np.cumsum(c, out=ip[1:])
         take = np.repeat(ptr[ids] - ip[:-1] - lead, c)
-        take += np.arange(ip[-1], dtype=it)
+        take += np.arange(ip[-1], dtype=np.intp)
         return ip, take
 
-    # Columns of the triangular matrix: Y sources, their unit diagonal first
-    # (SuperLU's kernel wants it first) from the self-id tail of dst_ext;
-    # F sources: the unit diagonal only.
-    ipY, takeY = runs(order[:nY], 1)
-    takeY[ipY[:-1]] = T + order[:nY]
-    take = np.concatenate([takeY, T + order[nY:].astype(it)])
-    ip = np.concatenate([ipY, ipY[-1] + np.arange(1, n - nY + 1, dtype=it)])
+    # Columns of the triangular matrix, one per state: its unit diagonal
+    # first (SuperLU's kernel wants it first; taken from the self-id tail of
+    # dst_ext), then for a Y source its transitions.  F columns: diagonal only.
+    c = counts[order] + 1
+    c[nY:] = 1
+    ip, take = runs(order, c, 1)
+    take[ip[:-1]] = T + order
     data = cb.prob_ext[take]
     np.negative(data, out=data)  # I - T^T; the tail's -1 becomes the diagonal's +1
     lower = UnitLowerSolver(data, pos[cb.dst_ext[take]], ip)
-    ipF, takeF = runs(order[nY:], 0)
+    ipF, takeF = runs(order[nY:], counts[order[nY:]], 0)
     A_F = sp.csc_matrix((cb.prob[takeF], pos[cb.dst[takeF]], ipF), shape=(n, n - nY))
     return lower, A_F

@@ -54,7 +54,7 @@ def _inverse(v: np.ndarray, keep: np.ndarray) -> np.ndarray:
     return out
 
 
-def gmres(S: Operator, seg: Segments, u: np.ndarray, tol: float, restart: int = 40,
+def gmres(S: Operator, seg: Segments, u: np.ndarray, tol: float, restart: int = 60,
           max_iter: int = 1500) -> tuple[np.ndarray, np.ndarray, int]:
     """Solve (I - S) x + u * (chain sum of x) = u per chain; return (x, converged, steps).
 

@@ -23,8 +23,6 @@ block-diagonal system (per-chain normalisation), which amortises overhead.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 import scipy.sparse as sp
 from scipy.sparse.csgraph import breadth_first_order, connected_components
@@ -57,7 +55,8 @@ def stationary_batch(
     u = np.zeros(n - nY)
     u[pos[cb.start] - nY] = 1.0
     x, ok, iters = gmres(censored, seg, u, tol)
-    ok &= _fixed_points(x, censored, seg, tol)
+    z = through_y(x)  # checks x, and its Y part is the rest of pi
+    ok &= _fixed_points(x, z[nY:], seg, tol)
     if not ok.all():
         # A chain GMRES could not solve: once more alone with a long restart
         # (the others have u = 0 there, so they sit idle), then the power
@@ -65,14 +64,16 @@ def stationary_batch(
         bad = ~ok
         x2, ok2, more = gmres(censored, seg, u * bad[seg.cid], tol, restart=150, max_iter=3000)
         iters += more
-        ok2 &= bad & _fixed_points(x2, censored, seg, tol)
+        ok2 &= bad & _fixed_points(x2, censored(x2), seg, tol)
         x = np.where(ok2[seg.cid], x2, x)
         ok |= ok2
+        z = None
     if not ok.all():
         start = np.where(ok[seg.cid], x, u)
         xp, more = power(censored, seg, start, tol, max_sweeps, which=~ok)
         iters += more
         x = np.where(ok[seg.cid], x, xp)
+        z = None
     if not (P is not None and _surely_one_class(P, cb.Bs)):
         # ... and unique.  With several closed classes the system is singular
         # and GMRES may return any mixture of their stationary vectors, not the
@@ -85,17 +86,16 @@ def stationary_batch(
             full, more = _power_full(cb, tol, max_sweeps)
             return full, iters + more, _closed_classes(cb)
     classes = np.ones(nB, dtype=np.int64)
-    full = np.concatenate([through_y(x)[:nY], x])
+    full = np.concatenate([(through_y(x) if z is None else z)[:nY], x])
     np.clip(full, 0.0, None, out=full)
     cid_sorted = cb.cid[order]
     full /= np.bincount(cid_sorted, weights=full, minlength=nB)[cid_sorted]
     return full[pos], iters, classes
 
 
-def _fixed_points(x: np.ndarray, S: Callable[[np.ndarray], np.ndarray], seg: Segments,
-                  tol: float) -> np.ndarray:
-    """Per chain: is x's block a distribution fixed by S, up to the tolerance?"""
-    resid = seg.sums(np.abs(S(x) - x))
+def _fixed_points(x: np.ndarray, Sx: np.ndarray, seg: Segments, tol: float) -> np.ndarray:
+    """Per chain: is x's block a distribution fixed by S (Sx = S x), up to the tolerance?"""
+    resid = seg.sums(np.abs(Sx - x))
     lowest = np.minimum.reduceat(x, seg.starts)
     # Entries of states with ~0 mass come out at -tol-ish; they are clipped later.
     return (resid < 1e3 * tol) & (lowest > -1e2 * tol) & np.isfinite(resid)

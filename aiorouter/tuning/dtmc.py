@@ -119,13 +119,15 @@ def _summarise(
     w = pi * cb.tau  # time weights: each state is held for tau units
     gamma, P = spec.tokens_per_step(), spec.p_array()
 
-    def tot(weights: np.ndarray, feature: np.ndarray) -> np.ndarray:
+    def tot(weights: np.ndarray, feature: np.ndarray) -> np.ndarray:  # per chain
+        if nB == 1:  # one pass, no temporary (bincount with weights is ~5x slower)
+            return np.einsum("i,i->", weights, feature.astype(float, copy=False))[None]
         return np.bincount(cb.cid, weights=weights * feature, minlength=nB)
 
     def cols(weights: np.ndarray, X: np.ndarray) -> np.ndarray:  # (n, M) -> (nB, M)
         return np.stack([tot(weights, X[:, i]) for i in range(M)], axis=1)
 
-    e_tau = np.bincount(cb.cid, weights=w, minlength=nB)
+    e_tau = np.array([w.sum()]) if nB == 1 else np.bincount(cb.cid, weights=w, minlength=nB)
     busy = cols(w, running) / e_tau[:, None]
     queue = cols(w, cb.K)  # time-integrated queue length
     # No `@` here: numpy hands float matmuls to a threaded BLAS, which on a
