@@ -139,6 +139,34 @@ def run_case(name: str, workers: int) -> dict:
     )
 
 
+BASELINE_CODE = """
+import json, resource, sys, time
+from aiorouter.tuning import ModelSpec, SolveCache, threshold_table
+c = json.loads(sys.argv[1])
+spec = ModelSpec.build(c["P"], c["C"], c["L"], c["delta"])
+r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+threshold_table(spec, c["max_n"], cache=SolveCache(), workers=1)
+r1 = resource.getrusage(resource.RUSAGE_SELF)
+cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+print(json.dumps(dict(wall_s=time.perf_counter() - t0, cpu_s=cpu)))
+"""
+
+
+def run_baseline(src: str, name: str) -> dict:
+    """The same serial search with another checkout's aiorouter (e.g. `git archive REV aiorouter`)."""
+    import subprocess
+
+    case = dict(CASES[name], delta=DELTA)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, str(ROOT)]))
+    load_before = os.getloadavg()
+    out = subprocess.run([sys.executable, "-c", BASELINE_CODE, json.dumps(case)], env=env,
+                         capture_output=True, text=True, check=True, cwd=src).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    return dict(case=name, src=src, wall_s=round(got["wall_s"], 3), cpu_s=round(got["cpu_s"], 3),
+                loadavg_before=[round(x, 2) for x in load_before],
+                loadavg_after=[round(x, 2) for x in os.getloadavg()])
+
+
 def run_startup(name: str) -> dict:
     """The router's start-up solve: choose_delta, then the table on one core."""
     case = STARTUP[name]
@@ -283,6 +311,16 @@ def markdown(result: dict) -> str:
                 f"{r['estimated_states']:,} / {r['actual_states']:,} | {r['choose_s']:.2f} | "
                 f"{r['wall_s']:.1f} | {r['cpu_s']:.1f} | {_load(r)} | {tuple(r['best_at_cap'])} | "
                 f"< {r['target_s']:.0f} s | {'yes' if r['meets_target_wall'] else 'no'} |")
+    if result.get("baseline"):
+        out += ["", "The same serial searches with the previous solver, in the same session:", "",
+                "| case | solver | wall s | CPU s | load |", "|---|---|---|---|---|"]
+        for b in result["baseline"]:
+            out.append(f"| {b['case']} | {b['label']} | {b['wall_s']:.1f} | {b['cpu_s']:.1f} | "
+                       f"{_load(b)} |")
+        for r in result["runs"]:
+            if r["workers"] == 1:
+                out.append(f"| {r['case']} | this commit | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | "
+                           f"{_load(r)} |")
     out += ["", "### Against the targets", ""]
     for r in result["runs"]:
         verdict = "meets" if r["meets_target_wall"] else "MISSES"
@@ -321,12 +359,16 @@ NOTES = [
     "columns of I - T (no split of the transitions by destination): one gather per transition.",
     "- **Batch sizes** follow the ratio of total states N-1 -> N (the largest per-chain ratio "
     "had cut M = 2 batches ~10x too small, per-level overhead then dominated).",
-    "- **Left**: BFS (hash look-ups, ~75 ns per transition) and the triangular solves inside "
-    "GMRES (50-60 applications for the largest M = 3 chains, ~3 ns per stored transition) are "
-    "memory-bound numpy/SuperLU passes, so one core stays above the 30 s target for M = 3; two "
-    "worker processes bring it under when the second core is free.  Tried and dropped (measured "
-    "slower here): int32 index arrays (numpy converts them to intp on every gather), a hash "
-    "insert without sort, a denser hash table (more probe rounds).",
+    "- **Left**: on one core these changes gain little on M = 3 (see the previous-solver rows): "
+    "BFS (hash look-ups, ~75 ns per transition) and the triangular solves inside GMRES (50-60 "
+    "applications for the largest M = 3 chains, ~3 ns per stored transition) are memory-bound "
+    "numpy/SuperLU passes, so one core stays above the 30 s target; two worker processes bring "
+    "it under when the second core is free (the per-N barrier costs little: CPU-s / wall ~1.95).  "
+    "Tried and dropped (measured slower here): int32 index arrays (numpy converts them to intp on "
+    "every gather), a hash insert without sort, a denser hash table (more probe rounds); "
+    "per-chain triangular solves in a batch would save ~7 % of M = 3's GMRES work (51 % of "
+    "M = 2's, which is small anyway).  A compiled BFS (numba) is the remaining big lever and "
+    "was not added (a heavy dependency and a JIT at router start).",
 ]
 
 
@@ -335,6 +377,10 @@ def main() -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--skip-m3", action="store_true")
     ap.add_argument("--skip-startup", action="store_true")
+    ap.add_argument("--baseline-src", default=None,
+                    help="also time the serial searches with the aiorouter package found in this "
+                    "folder (e.g. from `git archive REV aiorouter | tar -x -C DIR`)")
+    ap.add_argument("--baseline-label", default="previous solver")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "dtmc_speed.json"))
     ap.add_argument("--markdown", default=str(ROOT / "bench" / "RESULTS-dtmc-speed.md"))
     ap.add_argument("--markdown-only", action="store_true",
@@ -352,6 +398,13 @@ def main() -> int:
         for w in args.workers:
             runs.append(run_case("m3_me", w))
             print_run(runs[-1])
+    baseline = []
+    if args.baseline_src:
+        for name in ["m2_r2r"] + ([] if args.skip_m3 else ["m3_me"]):
+            baseline.append(dict(run_baseline(args.baseline_src, name), label=args.baseline_label))
+            b = baseline[-1]
+            print(f"\n== baseline {name} ({b['label']}): wall {b['wall_s']:.2f}s cpu {b['cpu_s']:.2f}s "
+                  f"load {_load(b)}")
     startup = []
     if not args.skip_startup:
         for name in STARTUP:
@@ -362,7 +415,7 @@ def main() -> int:
                   f"(estimated {r['estimated_states']:,}), wall {r['wall_s']:.2f}s cpu "
                   f"{r['cpu_s']:.2f}s load {_load(r)}, B*({r['cap']}) = {tuple(r['best_at_cap'])}")
     result = dict(machine={**machine(), "parallel_speedup_probe": probe}, runs=runs,
-                  startup=startup, generated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+                  startup=startup, baseline=baseline, generated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"\nwrote {args.out}")
