@@ -54,6 +54,19 @@ def _label(data: dict, s: str) -> str:
     return data.get("systems", {}).get(s, s)
 
 
+def _save(plt, fig, path: Path, legend_from=None) -> Path:
+    """One legend under every panel (taken from the first), then write and free the figure."""
+    if legend_from is not None:
+        handles, labels = legend_from.get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
+        fig.tight_layout(rect=(0, 0.1, 1, 1))
+    else:
+        fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def throughput(data: dict, path: Path) -> Path:
     plt = _plt()
     panels = _panels(data)
@@ -72,12 +85,7 @@ def throughput(data: dict, path: Path) -> Path:
         ax.set_ylabel("output tokens/s")
         ax.set_title(f"{pair}, {wl}")
         ax.grid(alpha=0.3)
-    handles, labels = next(iter(axes)).get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, legend_from=next(iter(axes)))
 
 
 def tradeoff(data: dict, path: Path) -> Path:
@@ -103,12 +111,7 @@ def tradeoff(data: dict, path: Path) -> Path:
         ax.set_ylabel("throughput (output tokens/s)")
         ax.set_title(f"{pair}, {wl}: N = 1 .. 16")
         ax.grid(alpha=0.3)
-    handles, labels = next(iter(axes)).get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, legend_from=next(iter(axes)))
 
 
 def ablation(data: dict, path: Path) -> Path:
@@ -131,10 +134,7 @@ def ablation(data: dict, path: Path) -> Path:
         ax.set_title(f"execution modes: {pair}, {wl}")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def make_all(data: dict, out_dir: Path, name: str) -> list[Path]:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("gguf")
+import gguf  # noqa: F401  (a core dependency: GGUF import needs it)
+import torch
+import transformers
 
 from engines.default_model import GGUF_IN_WHEEL, MARKER, cache_dir, convert_gguf_to_hf, default_model_path
 

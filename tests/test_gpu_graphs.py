@@ -63,7 +63,7 @@ def test_copy_meta_refuses_shape_or_int_mismatch():
 def test_engine_through_graph_buckets_matches_torch(tiny_qwen3):
     """Every small step goes through StepGraphs (padded to its bucket, plan copied into static
     buffers); greedy tokens equal the torch backend's, eager and unpadded."""
-    pytest.importorskip("triton", reason="triton is not installed (the test extra brings it)")
+    import triton  # noqa: F401  (the test extra brings it)
     from engines.triton_backend import TritonBackend
     prompts = [[5, 6, 7], list(range(2, 40)), [9] * 17]
     cfg = EngineConfig(num_kv_tokens=1024, max_num_batched_tokens=24)  # chunked prefill: mixed small steps
@@ -91,7 +91,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @cuda
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_cuda_graphs_match_eager_on_gpu(tiny_qwen3, backend):
-    pytest.importorskip("triton")
+    import triton  # noqa: F401
     prompts = [[5, 6, 7], list(range(2, 40)), [9] * 17]
     cfg = EngineConfig(num_kv_tokens=1024, max_num_batched_tokens=24)
     eager = Engine(tiny_qwen3, device="cuda", config=cfg, attention_backend=backend, cuda_graphs=False)

@@ -71,7 +71,7 @@ def _free_port() -> int:
 def ray_app(tiny_chat_model):
     from server.ray_serve import APP, build_app, require_ray
     if importlib.util.find_spec("ray") is None:
-        pytest.skip("needs the ray extra: pip install -e '.[test,ray]'")
+        pytest.fail("the ray tests need the ray extra: pip install -e '.[test,ray]'")
     ray, serve = require_ray(loopback=True)  # ray is first imported here: no other test module imports it
     port = _free_port()
     t0 = time.perf_counter()
@@ -189,7 +189,7 @@ async def test_two_replicas_match_one_process_and_survive_a_replica_kill(ray_app
 @pytest.mark.slow
 def test_cli_serve_ray_two_replicas_backpressure_then_sigterm():
     if importlib.util.find_spec("ray") is None:
-        pytest.skip("needs the ray extra: pip install -e '.[test,ray]'")
+        pytest.fail("the ray tests need the ray extra: pip install -e '.[test,ray]'")
     port = _free_port()
     # 2 running per replica and 2 x 2 waiting in Serve's queue: a burst of 16 overflows it
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--ray", "--replicas", "2", "--model",

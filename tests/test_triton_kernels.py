@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]' brings it)")
+import triton  # the test extra brings it: a missing install fails here rather than skipping
 
 from engines.attention import BatchLayout, TorchBackend  # noqa: E402
 from engines.triton_backend import TritonBackend  # noqa: E402
