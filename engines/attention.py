@@ -132,16 +132,8 @@ class TorchBackend(AttentionBackend):
             decode_slots = torch.cat(slots) if len(slots) > 1 else slots[0]
         extends, q0 = [], nd
         for i in range(nd, len(layout.q_lens)):
-            q_len, kv_len = layout.q_lens[i], layout.kv_lens[i]
-            prefix = kv_len - q_len
-            if prefix == 0:
-                extends.append(_Extend(q0, q0 + q_len, None, None))
-            else:
-                pos = torch.arange(kv_len, device=dev)
-                slots = bt[i, pos // ps] * ps + pos % ps
-                mask = pos[None, :] <= (prefix + torch.arange(q_len, device=dev))[:, None]
-                extends.append(_Extend(q0, q0 + q_len, slots, mask))
-            q0 += q_len
+            extends.append(plan_extend(layout, i, q0))
+            q0 += layout.q_lens[i]
         return TorchMeta(layout.slot_mapping, nd, decode_slots, groups, extends, {})
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchMeta):
@@ -192,37 +184,68 @@ class TorchBackend(AttentionBackend):
                 out[g.start:g.end] = o.view(b, h, d)
         if out is None:
             out = torch.empty(T, h, d, dtype=q.dtype, device=q.device)
-        for e in meta.extends:
-            qe = q[e.q_start:e.q_end].transpose(0, 1)[None]  # [1, H, q_len, D]
-            if e.kv_slots is None:
-                ke = k[e.q_start:e.q_end].transpose(0, 1)[None]
-                ve = v[e.q_start:e.q_end].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(qe, ke, ve, is_causal=True, enable_gqa=True)
-            else:
-                ke = k_cache.index_select(0, e.kv_slots).transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
-                ve = v_cache.index_select(0, e.kv_slots).transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=e.mask[None, None], enable_gqa=True)
-            out[e.q_start:e.q_end] = o[0].transpose(0, 1)
+        run_extends(q, k, v, k_cache, v_cache, meta.extends, out)
         return out
 
+def plan_extend(layout: BatchLayout, i: int, q0: int) -> _Extend:
+    """Sequence i of the layout, whose query rows start at q0, as an SDPA extend."""
+    ps, bt, dev = layout.page_size, layout.block_tables, layout.slot_mapping.device
+    q_len, kv_len = layout.q_lens[i], layout.kv_lens[i]
+    prefix = kv_len - q_len
+    if prefix == 0:
+        return _Extend(q0, q0 + q_len, None, None)
+    pos = torch.arange(kv_len, device=dev)
+    slots = bt[i, pos // ps] * ps + pos % ps
+    mask = pos[None, :] <= (prefix + torch.arange(q_len, device=dev))[:, None]
+    return _Extend(q0, q0 + q_len, slots, mask)
 
-BACKENDS = ("flashinfer", "triton", "torch")  # preference order on CUDA
+
+def run_extends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, extends: list[_Extend], out: torch.Tensor) -> None:
+    """SDPA per extend, each alone (a long prefill never pads anything), into out's rows."""
+    for e in extends:
+        qe = q[e.q_start:e.q_end].transpose(0, 1)[None]  # [1, H, q_len, D]
+        if e.kv_slots is None:
+            ke = k[e.q_start:e.q_end].transpose(0, 1)[None]
+            ve = v[e.q_start:e.q_end].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qe, ke, ve, is_causal=True, enable_gqa=True)
+        else:
+            ke = k_cache.index_select(0, e.kv_slots).transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
+            ve = v_cache.index_select(0, e.kv_slots).transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=e.mask[None, None], enable_gqa=True)
+        out[e.q_start:e.q_end] = o[0].transpose(0, 1)
+
+
+BACKENDS = ("flashinfer", "triton", "torch")  # preference order on CUDA; CPU: "cpu", else "torch"
 
 
 def select_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
     """Pick by device, never by a successful import: flashinfer and triton import on CPU machines
-    but none of their kernels run there. On CUDA the first installed of BACKENDS; `name` forces
-    one ("torch" works everywhere, the others need CUDA; "triton" also runs on CPU under the
+    but none of their kernels run there. On CUDA the first installed of BACKENDS; on CPU the
+    kernel backend (engines/cpu_attention.py) when it builds, else torch. `name` forces one
+    ("torch" works everywhere, "cpu" on CPU, the others need CUDA; "triton" also runs on CPU under the
     Triton interpreter, TRITON_INTERPRET=1, which only tests and dry runs want)."""
     device = torch.device(device)
     if name is None:
         name = "torch"
         if device.type == "cuda" and torch.cuda.is_available():
             name = next(b for b in BACKENDS if b == "torch" or _has(b))
+        elif device.type == "cpu":
+            from engines import cpu_attention
+            name = "cpu" if cpu_attention.load() is not None else "torch"  # load() warned if not
     if name == "torch":
         return TorchBackend()
+    if name == "cpu":
+        from engines import cpu_attention
+        if device.type != "cpu":
+            raise ValueError(f"attention backend 'cpu' runs on CPU tensors only, got {device}")
+        op = cpu_attention.load()
+        if op is None:
+            raise RuntimeError("attention backend 'cpu': its kernel could not be built here (see the warning above)")
+        return cpu_attention.CpuBackend(op)
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: torch, triton (CUDA), flashinfer (CUDA)")
+        raise ValueError(f"unknown attention backend {name!r}; available: torch, cpu (CPU kernel), "
+                         "triton (CUDA), flashinfer (CUDA)")
     interpreted = name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests, dry runs
     if device.type != "cuda" and not interpreted:
         raise ValueError(f"attention backend {name!r} needs a CUDA device, got {device}")

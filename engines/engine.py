@@ -54,7 +54,7 @@ class Engine:
                  dtype: str | torch.dtype = "float32", config: EngineConfig | None = None,
                  load_tokenizer: bool = True, attention_backend: str | None = None, cuda_graphs: bool = True):
         """`device`: "cpu", "cuda:0", or a group "cuda:0,1" (layers split across it, in order).
-        `attention_backend`: "torch" | "triton" | "flashinfer"; None picks by device."""
+        `attention_backend`: "torch" | "cpu" | "triton" | "flashinfer"; None picks by device."""
         self.path = Path(model_path)
         model_config = ModelConfig.from_dir(self.path)
         devices, dtype = parse_devices(device), parse_dtype(dtype)
@@ -93,8 +93,10 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-                        **engine_config: object) -> "Engine":
-        return cls(path, device=device, dtype=dtype, config=EngineConfig(**engine_config))
+                        attention_backend: str | None = None, **engine_config: object) -> "Engine":
+        """`engine_config`: EngineConfig fields (page_size, num_kv_tokens, ...)."""
+        return cls(path, device=device, dtype=dtype, config=EngineConfig(**engine_config),
+                   attention_backend=attention_backend)
 
     def _load_tokenizer(self):
         from transformers import AutoTokenizer

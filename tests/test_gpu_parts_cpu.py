@@ -8,13 +8,14 @@ import torch
 
 import engines.attention as attention
 from engines.attention import BatchLayout, TorchBackend, select_backend
+from engines.cpu_attention import CpuBackend
 from engines.memory import ModelFootprint, joint_kv_tokens
 from engines.paged_meta import build_paged_meta, slots_from_meta
 
 
-def test_cpu_picks_torch_even_when_flashinfer_is_installed(monkeypatch):
+def test_cpu_never_picks_a_cuda_backend_even_when_installed(monkeypatch):
     monkeypatch.setattr(attention, "_has", lambda name: True)  # as if flashinfer and triton were installed
-    assert isinstance(select_backend(torch.device("cpu")), TorchBackend)
+    assert isinstance(select_backend(torch.device("cpu")), (TorchBackend, CpuBackend))
     with pytest.raises(ValueError, match="needs a CUDA device"):
         select_backend(torch.device("cpu"), "flashinfer")
     with pytest.raises(ValueError, match="unknown attention backend"):
@@ -89,7 +90,7 @@ def test_cuda_order_flashinfer_then_triton_then_torch(monkeypatch):
         select_backend(torch.device("cpu"), "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs it on CPU (tests, dry runs)
     assert isinstance(select_backend(torch.device("cpu"), "triton"), TritonBackend)
-    assert isinstance(select_backend(torch.device("cpu")), TorchBackend)  # never the default there
+    assert isinstance(select_backend(torch.device("cpu")), CpuBackend)  # triton is never the default there
 
 
 def test_parse_device_groups():

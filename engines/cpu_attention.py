@@ -1,0 +1,101 @@
+"""CPU attention backend: a paged-attention kernel (engines/csrc) for decodes and short extends.
+
+Decode attention on CPU through torch ops has to gather each sequence's K/V out of the pool into
+a padded batch and then run SDPA, whose CPU flash kernel is blocked for long queries; at batch 32
+that was half of a SmolLM2 decode step. The kernel reads the pool through the block tables
+instead, in float32, one (sequence, KV head) per work item on torch's intra-op threads: 2.3x
+faster per layer at batch 32 (bf16 and fp32). Extends longer than `KERNEL_MAX_Q` (prefill chunks)
+keep SDPA, which is GEMM-shaped there.
+
+`load()` builds the kernel on first use with the machine's C++ compiler (ninja is a dependency)
+and caches it per source and CPU (it is compiled for the host's instruction set) under torch's
+extension directory: ~10 s once per machine. If it cannot be built, `select_backend` warns once
+and uses the portable TorchBackend.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from engines.attention import AttentionBackend, BatchLayout, _Extend, plan_extend, run_extends
+
+log = logging.getLogger(__name__)
+_SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+
+
+def _cpu_tag() -> str:
+    """Hash of the CPU's feature flags: a build made with -march=native is only valid there."""
+    try:
+        flags = next(l for l in open("/proc/cpuinfo") if l.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+@functools.cache
+def load():
+    """-> the paged attention op, or None if it cannot be built here (warned once)."""
+    try:
+        from torch.utils import cpp_extension
+        from tqdm import tqdm
+        name = f"aiorouter_cpu_attn_{_cpu_tag()}"
+        with tqdm(total=1, desc="building the CPU attention kernel (once per machine)", leave=False,
+                  disable=None) as bar:
+            cpp_extension.load(name=name, sources=[str(_SRC)], is_python_module=False,
+                               extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
+                               extra_ldflags=["-fopenmp"], verbose=False)
+            bar.update()
+        return torch.ops.aiorouter_cpu.paged_attention
+    except Exception as e:  # noqa: BLE001 - any build failure means "use the torch fallback"
+        first = str(e).splitlines()[0] if str(e) else ""
+        warnings.warn(f"CPU attention kernel unavailable ({type(e).__name__}: {first}); attention falls back "
+                      "to gather + SDPA, ~2x slower for decodes. It needs a C++ compiler (g++) and ninja.",
+                      RuntimeWarning, stacklevel=2)
+        return None
+
+
+KERNEL_MAX_Q = 16  # longer extends run as SDPA: GEMM-shaped work the kernel's dot loops do badly
+
+
+class CpuMeta(NamedTuple):
+    slot_mapping: torch.Tensor  # [T]
+    block_tables: torch.Tensor  # [B, max_pages] int64, contiguous
+    page_size: int
+    seqs: torch.Tensor | None  # [n, 4] int64 (block-table row, q_start, q_len, kv_len) for the kernel
+    extends: list[_Extend]  # the long extends, for SDPA
+
+
+class CpuBackend(AttentionBackend):
+    """The kernel for decodes and extends of <= KERNEL_MAX_Q tokens (handoff resumes); SDPA for
+    the rest. Same results as TorchBackend to float32 rounding (tests/test_cpu_attention.py)."""
+
+    def __init__(self, op) -> None:
+        self._op = op
+
+    def plan(self, layout: BatchLayout) -> CpuMeta:
+        rows, extends, q0 = [], [], 0
+        for i, (q_len, kv_len) in enumerate(zip(layout.q_lens, layout.kv_lens)):
+            if q_len <= KERNEL_MAX_Q:
+                rows.append((i, q0, q_len, kv_len))
+            else:
+                extends.append(plan_extend(layout, i, q0))
+            q0 += q_len
+        seqs = torch.tensor(rows, dtype=torch.int64) if rows else None
+        return CpuMeta(layout.slot_mapping, layout.block_tables.contiguous(), layout.page_size, seqs, extends)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: CpuMeta):
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        T, h, d = q.shape
+        out = torch.empty(T, h, d, dtype=q.dtype)
+        if meta.seqs is not None:
+            self._op(q, k_cache, v_cache, meta.block_tables, meta.seqs, meta.page_size, d ** -0.5, out)
+        run_extends(q, k, v, k_cache, v_cache, meta.extends, out)
+        return out

@@ -1,0 +1,197 @@
+// Paged attention for short queries (decodes, and extends of a few tokens) on CPU.
+//
+// Reads K/V straight from the paged pool ([num_slots, Hkv, D], slot = page * page_size + offset)
+// through each sequence's block table: no gather into a padded batch, no padding, float32
+// scores and accumulation for every input dtype. A work item is one sequence (and some of its KV
+// heads); all its query heads and query tokens share every K/V row it loads, so a row is
+// converted to float32 once and used by all of them.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t D) {
+  for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// bf16 -> f32 is a 16-bit shift; written on raw bits so the compiler vectorises it.
+template <>
+inline void load_row<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t D) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < D; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+
+// The pool is far bigger than the caches (every layer's K/V), and one work item reads one KV
+// head's 128-256 B out of every token's row: the hardware prefetcher does not follow that, so
+// the loops ask for the row kPrefetch tokens ahead themselves.
+constexpr int64_t kPrefetch = 16;
+template <typename T>
+inline void prefetch_row(const T* p, int64_t D) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(c + b, 0, 3);
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < D; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// exp for x <= 0 (softmax after subtracting the max): 2^(x log2 e) split into 2^n * 2^f with a
+// degree-6 polynomial for 2^f, f in [-0.5, 0.5]; relative error ~2e-7. Branch-free so the loop
+// around it vectorises (std::exp does not, and was a third of the kernel's time).
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.f);
+  const float y = x * 1.44269504088896341f;
+  const float n = std::nearbyint(y);
+  const float f = y - n;
+  float p = 1.5353362e-4f;
+  p = p * f + 1.3398874e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+inline void axpy(float w, const float* x, float* y, int64_t D) {
+#pragma omp simd
+  for (int64_t i = 0; i < D; ++i) y[i] += w * x[i];
+}
+
+// DC: the head dim as a compile-time constant (64, 128), so the per-row loops unroll into a few
+// full-width vector ops; 0 = any head dim, read at run time.
+template <typename T, int64_t DC>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const at::Tensor& seqs, int64_t page_size, double scale,
+         at::Tensor& out) {
+  const int64_t H = q.size(1), D = DC ? DC : q.size(2), Hkv = k_cache.size(1), G = H / Hkv;
+  const int64_t n = seqs.size(0), max_pages = block_tables.size(1);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* btp = block_tables.data_ptr<int64_t>();
+  const int64_t* sp = seqs.data_ptr<int64_t>();  // [n, 4]: block-table row, q_start, q_len, kv_len
+  const float fscale = static_cast<float>(scale);
+
+  // A work item is one sequence and `hpi` of its KV heads. With every head in one item, a token's
+  // K (or V) row for the item is one contiguous [hpi, D] run of the pool, and the pages stream
+  // in whole; items of one head each read 1/Hkv of every row, which the prefetchers follow badly
+  // (measured 1.3x slower at batch 32). Single heads only when there are too few sequences to
+  // keep every thread busy (batch 1).
+  const int64_t threads = at::get_num_threads();
+  const int64_t hpi = n >= 2 * threads ? Hkv : 1;
+  const int64_t per_seq = Hkv / hpi, num_items = n * per_seq, W = hpi * D;  // W: floats per row run
+  // Items are handed out one at a time from a shared counter: at::parallel_for's static split
+  // gave one thread all the long sequences (the runner orders decodes longest first) and made
+  // the kernel 2x slower than its balanced cost; longest-first + dynamic is the LPT schedule.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
+    std::vector<float> qf, sc, acc, row(W), inv;
+    std::vector<int64_t> slots;
+    for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
+      const int64_t s = item / per_seq, h0 = (item % per_seq) * hpi;  // KV heads [h0, h0 + hpi)
+      const int64_t* bt = btp + sp[4 * s] * max_pages;
+      const int64_t q0 = sp[4 * s + 1], ql = sp[4 * s + 2], L = sp[4 * s + 3];
+      // row r = (i * hpi + j) * G + g: query token i, query head (h0 + j) * G + g, and its K/V
+      // are floats [j * D, (j + 1) * D) of a row run; RI rows per query token.
+      const int64_t prefix = L - ql, RI = hpi * G, R = ql * RI;
+      qf.resize(R * D);
+      sc.resize(R * L);
+      acc.assign(R * D, 0.f);
+      inv.resize(R);
+      for (int64_t i = 0; i < ql; ++i)
+        for (int64_t c = 0; c < RI; ++c) {
+          float* dst = &qf[(i * RI + c) * D];
+          load_row(qp + (q0 + i) * qs0 + (h0 * G + c) * qs1, dst, D);
+          for (int64_t j = 0; j < D; ++j) dst[j] *= fscale;
+        }
+      // Slots of the sequence's tokens, walked page by page (no division per token).
+      slots.resize(L);
+      for (int64_t t = 0, p = 0; t < L; ++p)
+        for (int64_t o = 0, base = bt[p] * page_size; o < page_size && t < L; ++o, ++t) slots[t] = base + o;
+      // Scores: token t is visible to query token i when t <= prefix + i. Each K row is
+      // converted to float32 once for all the rows that see it. (A transposed [D][16] tile, to
+      // trade the horizontal sums for plain FMAs, measured 1.4x slower: the transposing stores
+      // cost more than the sums.)
+      for (int64_t t = 0; t < L; ++t) {
+        if (t + kPrefetch < L) prefetch_row(kp + (slots[t + kPrefetch] * Hkv + h0) * D, W);
+        load_row(kp + (slots[t] * Hkv + h0) * D, row.data(), W);
+        for (int64_t r = std::max<int64_t>(0, t - prefix) * RI; r < R; ++r)
+          sc[r * L + t] = dot(&qf[r * D], &row[(r / G) % hpi * D], D);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        float* x = &sc[r * L];
+        const int64_t len = prefix + r / RI + 1;
+        float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) m = std::max(m, x[t]);
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) sum += (x[t] = exp_nonpos(x[t] - m));
+        inv[r] = 1.f / sum;
+      }
+      for (int64_t t = 0; t < L; ++t) {
+        if (t + kPrefetch < L) prefetch_row(vp + (slots[t + kPrefetch] * Hkv + h0) * D, W);
+        load_row(vp + (slots[t] * Hkv + h0) * D, row.data(), W);
+        for (int64_t r = std::max<int64_t>(0, t - prefix) * RI; r < R; ++r)
+          axpy(sc[r * L + t], &row[(r / G) % hpi * D], &acc[r * D], D);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        T* dst = op + (q0 + r / RI) * os0 + (h0 * G + r % RI) * os1;
+        for (int64_t j = 0; j < D; ++j) dst[j] = static_cast<T>(acc[r * D + j] * inv[r]);
+      }
+    }
+  });
+}
+
+// q [T, H, D] (rows may be strided, D contiguous), caches [num_slots, Hkv, D] contiguous,
+// block_tables [B, max_pages] int64, seqs [n, 4] int64, out [T, H, D] (D contiguous): writes the
+// rows of the n listed sequences and leaves every other row untouched.
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seqs, int64_t page_size,
+                     double scale, at::Tensor out) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && out.dim() == 3, "paged_attention: q/cache/out must be 3-D");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "paged_attention: head dim must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
+              "paged_attention: q, caches and out must share a dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "paged_attention: heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seqs.scalar_type() == at::kLong &&
+                  block_tables.is_contiguous() && seqs.is_contiguous() && seqs.size(1) == 4,
+              "paged_attention: block_tables/seqs must be contiguous int64, seqs [n, 4]");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    if (q.size(2) == 64)
+      run<scalar_t, 64>(q, k_cache, v_cache, block_tables, seqs, page_size, scale, out);
+    else if (q.size(2) == 128)
+      run<scalar_t, 128>(q, k_cache, v_cache, block_tables, seqs, page_size, scale, out);
+    else
+      run<scalar_t, 0>(q, k_cache, v_cache, block_tables, seqs, page_size, scale, out);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(aiorouter_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seqs, "
+        "int page_size, float scale, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(aiorouter_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
