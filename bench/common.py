@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
 import os
 import platform
@@ -19,6 +21,19 @@ RESULTS = ROOT / "bench" / "results"
 # cpu-tiny: random Qwen3 pair whose step latencies differ ~6x, like the paper's 0.6B/32B pair.
 TINY_SHAPES = {"small": dict(hidden=256, layers=4, heads=4, kv_heads=2),
                "large": dict(hidden=1024, layers=12, heads=16, kv_heads=4)}
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """Start-up objects out of the cyclic GC for a measured run, as `Router.start` does for the
+    library (and vLLM after its start-up): so that no system's figures carry full-heap
+    collections the others are spared. For the baselines that do not go through a Router."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def cache_dir() -> Path:

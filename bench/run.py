@@ -36,7 +36,7 @@ import torch
 from aiorouter.cpu_threads import plan_threads
 from bench import workloads as W
 from bench.baselines import HFNaive, StdServing, kv_tokens, make_rule
-from bench.common import ROOT, LoopResult, OutsideLoad, closed_loop, machine, tiny_qwen3
+from bench.common import ROOT, LoopResult, OutsideLoad, closed_loop, frozen_heap, machine, tiny_qwen3
 
 SYSTEMS = ("aiorouter", "eager", "sync", "std-serving", "hf-naive", "large-alone", "small-alone")
 LABELS = {"aiorouter": "aiorouter (delayed)", "eager": "aiorouter eager", "sync": "aiorouter sync",
@@ -163,7 +163,8 @@ async def _std_run(pair: Pair, wl: W.Workload, n: int, total: int, opts: Opts) -
     async with StdServing(pair.small, pair.large, rule, opts.kv_memory_gb, opts.engine_config) as std:
         await closed_loop(lambda p: std.stream(p, WARMUP_TOKENS), n, W.warmup_prompts(n, vocab=pair.vocab), n)
         before = std.stats()
-        res = await closed_loop(lambda p: std.stream(p, wl.max_tokens), n, wl.prompts, total)
+        with frozen_heap():
+            res = await closed_loop(lambda p: std.stream(p, wl.max_tokens), n, wl.prompts, total)
         out = res.summary()
         after = std.stats()
         out["servers"] = {k: {f: after[k][f] - before[k][f] for f in ("requests", "steps", "prefix_matches",
@@ -188,26 +189,27 @@ def _hf_run(hf: HFNaive, wl: W.Workload, n: int, total: int) -> dict:
     busy = {"small": 0.0, "large": 0.0}
     computed = {"small": 0, "large": 0}
     i = 0
-    t0 = time.perf_counter()
-    while i < total:  # a closed loop of n clients = successive static batches of n
-        batch = [wl.prompts[(i + k) % len(wl.prompts)] for k in range(min(n, total - i))]
-        i += len(batch)
-        b = hf.generate(batch, wl.max_tokens)
-        forwards["small"] += b.small_forwards
-        forwards["large"] += b.large_forwards
-        busy["small"] += b.small_s
-        busy["large"] += b.large_s
-        computed["small"] += b.small_tokens
-        computed["large"] += b.large_tokens
-        for tr in b.traces:
-            res.tokens += len(tr)
-            res.ttft.append(b.t_first)
-            res.e2e.append(b.seconds)
-            res._per_request.append((len(tr), b.seconds))
-            nl = sum(tr)
-            large += nl
-            small += len(tr) - nl
-    res.seconds = time.perf_counter() - t0
+    with frozen_heap():
+        t0 = time.perf_counter()
+        while i < total:  # a closed loop of n clients = successive static batches of n
+            batch = [wl.prompts[(i + k) % len(wl.prompts)] for k in range(min(n, total - i))]
+            i += len(batch)
+            b = hf.generate(batch, wl.max_tokens)
+            forwards["small"] += b.small_forwards
+            forwards["large"] += b.large_forwards
+            busy["small"] += b.small_s
+            busy["large"] += b.large_s
+            computed["small"] += b.small_tokens
+            computed["large"] += b.large_tokens
+            for tr in b.traces:
+                res.tokens += len(tr)
+                res.ttft.append(b.t_first)
+                res.e2e.append(b.seconds)
+                res._per_request.append((len(tr), b.seconds))
+                nl = sum(tr)
+                large += nl
+                small += len(tr) - nl
+        res.seconds = time.perf_counter() - t0
     res.per_model = {"small": small, "large": large}
     out = res.summary()
     out["forwards"] = forwards
