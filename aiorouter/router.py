@@ -3,13 +3,13 @@ request to another model after any step. Request-centric programming, model-cent
 from __future__ import annotations
 
 import asyncio
-import gc
 import contextlib
 import logging
 import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping
 
+from aiorouter import heap
 from aiorouter.batching import parse_thresholds
 from aiorouter.cpu_threads import resolve_threads
 from aiorouter.metrics import RouterMetrics
@@ -19,6 +19,7 @@ from aiorouter.spec import ModelSpec
 from aiorouter.subserver import Subserver
 from engines import Engine, EngineConfig, SamplingParams
 from engines.detokenizer import IncrementalDetokenizer
+from engines.devices import parse_devices
 from engines.stop import check_stop
 from policies import Policy, make_policy
 
@@ -67,6 +68,7 @@ class Router:
         self._busy = 0  # subservers inside a step
         self._in_flight = 0  # NewRequest/Handoff messages posted and not yet handled
         self._started = False
+        self._holds_heap = False
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> "Router":
@@ -95,22 +97,16 @@ class Router:
             self._tasks = [asyncio.create_task(s.run(), name=f"aiorouter-{s.name}") for s in self.subservers]
         for t in self._tasks:
             t.add_done_callback(self._on_task_done)
-        # What exists now lives as long as the router: weights' modules, tokenizers, torch's and
-        # transformers' imports (~370k GC-tracked objects with the bench pair). Each full
-        # collection walked them all while holding the GIL, stalling every model's worker between
-        # kernels: freezing them made the cpu-tiny pair serve 15% more tokens/s at N = 4 (vLLM
-        # freezes its heap after start-up for the same reason). Later objects (requests, events)
-        # are collected as usual; close() unfreezes, so a closed router's cycles can go.
-        gc.collect()
-        gc.freeze()
+        heap.hold()  # start-up objects out of the cyclic GC while this router serves (aiorouter.heap)
+        self._holds_heap = True
         self._started = True
         return self
 
     def _intra_op_threads(self, engines: list[Engine]) -> list[int]:
         """Intra-op threads of each model's worker (CPU only; on GPU the worker just launches kernels)."""
-        if self.device != "cpu":
-            return [1] * len(engines)
-        return resolve_threads(self._threads_spec, self.names, [e.num_params for e in engines])
+        on_cpu = [all(d.type == "cpu" for d in parse_devices(s.device or self.device)) for s in self.specs]
+        planned = resolve_threads(self._threads_spec, self.names, [e.num_params if c else 0 for e, c in zip(engines, on_cpu)])
+        return [t if c else 1 for t, c in zip(planned, on_cpu)]
 
     def _build_engine(self, name: str, spec: ModelSpec) -> Engine:
         ecfg = spec.engine_config
@@ -226,7 +222,9 @@ class Router:
             s.drain()
             await asyncio.to_thread(s.close)
         self._tasks, self._started = [], False
-        gc.unfreeze()
+        if self._holds_heap:
+            heap.release()
+            self._holds_heap = False
 
     stop = close
 

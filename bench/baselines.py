@@ -113,12 +113,6 @@ class EngineServer:
         cfg = EngineConfig(**{**(engine_config or {}), "num_kv_tokens": num_kv_tokens})
         self.engine = Engine(path, config=cfg, load_tokenizer=False)
         self.executor: ThreadPoolExecutor | None = None  # made by set_threads once every server is loaded
-        self.threads = 0
-
-    def set_threads(self, threads: int) -> None:
-        self.threads = threads
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"std-{self.name}", initializer=torch.set_num_threads,
-                                           initargs=(threads,))
         self.params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         self._pending: list[tuple[list[int], asyncio.Future]] = []
         self._futs: dict[int, asyncio.Future] = {}
@@ -128,6 +122,10 @@ class EngineServer:
         self.steps = 0
         self.batch_rows = 0  # sum of batch sizes (mean batch = batch_rows / steps)
         self.busy_s = 0.0  # worker-thread time inside steps
+
+    def set_threads(self, threads: int) -> None:
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"std-{self.name}", initializer=torch.set_num_threads,
+                                           initargs=(threads,))
 
     async def start(self) -> None:
         self._wake = asyncio.Event()

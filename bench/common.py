@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gc
 import json
 import os
 import platform
@@ -21,19 +19,6 @@ RESULTS = ROOT / "bench" / "results"
 # cpu-tiny: random Qwen3 pair whose step latencies differ ~6x, like the paper's 0.6B/32B pair.
 TINY_SHAPES = {"small": dict(hidden=256, layers=4, heads=4, kv_heads=2),
                "large": dict(hidden=1024, layers=12, heads=16, kv_heads=4)}
-
-
-@contextlib.contextmanager
-def frozen_heap():
-    """Start-up objects out of the cyclic GC for a measured run, as `Router.start` does for the
-    library (and vLLM after its start-up): so that no system's figures carry full-heap
-    collections the others are spared. For the baselines that do not go through a Router."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def cache_dir() -> Path:
@@ -123,6 +108,30 @@ async def closed_loop(send, n: int, prompts: list, total: int) -> LoopResult:
     await asyncio.gather(*(worker() for _ in range(n)))
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def wait_healthy(url: str, timeout: float = 300, interval: float = 0.5) -> None:
+    """Poll an `aiorouter serve` endpoint's /health until it answers 200 (503 while models load)."""
+    import aiohttp
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url + "/health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(interval)
+    raise TimeoutError(f"{url} never became healthy")
 
 
 def write_json(name: str, data: dict) -> Path:

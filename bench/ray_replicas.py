@@ -12,18 +12,17 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiohttp
 
-from bench.common import ROOT, OutsideLoad, closed_loop, write_json
+from aiorouter.cpu_threads import plan_threads
+from bench.common import ROOT, OutsideLoad, closed_loop, free_port, wait_healthy, write_json
 
 # eager: the delayed mode's start-up threshold solve would run inside each replica and blur the
 # comparison; replicas are independent, so the mode does not change how they scale
@@ -70,12 +69,6 @@ def prompts(n: int) -> list[str]:
             for i in range(n)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def drive(url: str, n: int, total: int, tokens: int) -> dict:
     """Warm up, then `total` requests from `n` closed-loop clients; tokens counted from usage."""
     replicas: dict[str, int] = {}
@@ -111,23 +104,9 @@ async def drive(url: str, n: int, total: int, tokens: int) -> dict:
             "cpu_ms_per_token": cpu_ms}
 
 
-async def wait_healthy(url: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            try:
-                async with s.get(url + "/health") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.5)
-    raise TimeoutError(f"{url} never became healthy")
-
-
 def run_process(models: dict, args) -> dict:
     """One `aiorouter serve` process, no Ray: the baseline the replicas are compared with."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--policy", ROUTER["policy"],
            "--mode", ROUTER["mode"], "--kv-memory-gb", str(ROUTER["kv_memory_gb"])]
     for name, path in models.items():
@@ -170,7 +149,7 @@ def main(argv=None) -> int:
     ray, serve = require_ray(loopback=True)
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     configs = args.configs.split(",")
     runs: dict[str, list[dict]] = {name: [] for name in configs}
@@ -182,7 +161,7 @@ def main(argv=None) -> int:
                 else:
                     # uncapped: what every replica ran before it capped threads to its CPUs (the
                     # Router's plan for this machine: the large model gets every core)
-                    whole = {"small": 1, "large": os.cpu_count() or 1} if name.endswith("-uncapped") else None
+                    whole = dict(zip(models, plan_threads([0, 1]))) if name.endswith("-uncapped") else None
                     r = run_ray(serve, f"http://127.0.0.1:{port}", models, int(name.split("-")[1]), args, whole)
                 runs[name].append(r)
                 print(f"{name} repeat {rep}: {r['tok_s']:.1f} tok/s, outside load {r['outside_load_cores']:.2f} "

@@ -35,8 +35,9 @@ import torch
 
 from aiorouter.cpu_threads import plan_threads
 from bench import workloads as W
-from bench.baselines import HFNaive, StdServing, kv_tokens, make_rule
-from bench.common import ROOT, LoopResult, OutsideLoad, closed_loop, frozen_heap, machine, tiny_qwen3
+from bench.baselines import HFNaive, StdServing, make_rule
+from aiorouter import heap
+from bench.common import ROOT, LoopResult, OutsideLoad, closed_loop, machine, tiny_qwen3
 
 SYSTEMS = ("aiorouter", "eager", "sync", "std-serving", "hf-naive", "large-alone", "small-alone")
 LABELS = {"aiorouter": "aiorouter (delayed)", "eager": "aiorouter eager", "sync": "aiorouter sync",
@@ -163,7 +164,7 @@ async def _std_run(pair: Pair, wl: W.Workload, n: int, total: int, opts: Opts) -
     async with StdServing(pair.small, pair.large, rule, opts.kv_memory_gb, opts.engine_config) as std:
         await closed_loop(lambda p: std.stream(p, WARMUP_TOKENS), n, W.warmup_prompts(n, vocab=pair.vocab), n)
         before = std.stats()
-        with frozen_heap():
+        with heap.frozen():  # what Router.start does, for the baselines that have no Router
             res = await closed_loop(lambda p: std.stream(p, wl.max_tokens), n, wl.prompts, total)
         out = res.summary()
         after = std.stats()
@@ -189,7 +190,7 @@ def _hf_run(hf: HFNaive, wl: W.Workload, n: int, total: int) -> dict:
     busy = {"small": 0.0, "large": 0.0}
     computed = {"small": 0, "large": 0}
     i = 0
-    with frozen_heap():
+    with heap.frozen():  # what Router.start does, for the baselines that have no Router
         t0 = time.perf_counter()
         while i < total:  # a closed loop of n clients = successive static batches of n
             batch = [wl.prompts[(i + k) % len(wl.prompts)] for k in range(min(n, total - i))]
@@ -532,8 +533,8 @@ def main(argv: list[str] | None = None) -> int:
             "temperature": 0.0, "ignore_eos": True,
             "threads": {
                 "total": cores,
-                "aiorouter/eager/sync": f"per model worker: small {plan_threads([0, 1], cores)[0]}, large "
-                                        f"{plan_threads([0, 1], cores)[1]} intra-op thread(s) (aiorouter.cpu_threads)",
+                "aiorouter/eager/sync": "per model worker: small {}, large {} intra-op thread(s) "
+                                        "(aiorouter.cpu_threads)".format(*plan_threads([0, 1], cores)),
                 "std-serving": "per server worker: the same plan as aiorouter's",
                 "large-alone/small-alone": f"{router_threads(1)} intra-op thread(s), one model worker",
                 "hf-naive": {p: f"{c['threads']} intra-op thread(s), both models on one thread in turn" +

@@ -232,7 +232,8 @@ def select_backend(device: torch.device, name: str | None = None) -> AttentionBa
             name = next(b for b in BACKENDS if b == "torch" or _has(b))
         elif device.type == "cpu":
             from engines import cpu_attention
-            name = "cpu" if cpu_attention.load() is not None else "torch"  # load() warned if not
+            op = cpu_attention.load()  # None (and one warning) when the kernel cannot be built here
+            return cpu_attention.CpuBackend(op) if op is not None else TorchBackend()
     if name == "torch":
         return TorchBackend()
     if name == "cpu":

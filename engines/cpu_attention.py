@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 import platform
 import warnings
 from pathlib import Path
@@ -26,7 +25,6 @@ import torch
 
 from engines.attention import AttentionBackend, BatchLayout, _Extend, plan_extend, run_extends
 
-log = logging.getLogger(__name__)
 _SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 
 

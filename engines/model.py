@@ -194,10 +194,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         """input_ids [T] -> final-normed hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, ctx)
-        return self.norm(x)
+        return self.forward_stages(input_ids, [(range(len(self.layers)), ctx)])
 
     def forward_stages(self, input_ids: torch.Tensor, stages: list[tuple[range, AttnContext]]) -> torch.Tensor:
         """The same forward over a device group: stage i runs its layer range on its own device

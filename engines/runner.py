@@ -54,17 +54,18 @@ class ModelRunner:
         """`devices`: a group (pipeline stages, `engines.devices.parse_devices`); `device` is its first.
         `backend` (an instance, single device) or `backend_name` forces the attention backend."""
         devices = devices or [device]
-        self.model, self.cfg, self.dtype, self.device, self.devices = model, cfg, dtype, devices[0], devices
+        self.model, self.cfg, self.dtype, self.device = model, cfg, dtype, devices[0]
         self.page_size, self.max_model_len, self.max_num_seqs = ecfg.page_size, max_model_len, ecfg.max_num_seqs
+        ranges = split_layers(cfg.num_hidden_layers, len(devices))
         if len(devices) > 1:
-            model.place(devices, split_layers(cfg.num_hidden_layers, len(devices)))
-        elif device.type == "cpu":
+            model.place(devices, ranges)
+        elif self.device.type == "cpu":
             model.pack_weights()  # oneDNN-packed linears: see model.Linear
         cos, sin = rope_cache(cfg, max_model_len, torch.device("cpu"))  # [max_len, D] fp32
         # Cast once here (HF casts per layer, to the same values) and fold rotate_half's sign into sin.
         cos, sin = cos.to(dtype)[:, None, :], signed_sin(sin).to(dtype)[:, None, :]  # [max_len, 1, D]
         self.stages: list[Stage] = []
-        for dev, layers in zip(devices, split_layers(cfg.num_hidden_layers, len(devices))):
+        for dev, layers in zip(devices, ranges):
             if len(devices) == 1:
                 kv = KVPool(cfg, ecfg.num_pages, ecfg.page_size, dtype, dev)
             else:  # this stage's layers only, indexed by global layer id
@@ -75,7 +76,6 @@ class ModelRunner:
                 be.bind(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype)
             self.stages.append(Stage(dev, layers, kv, be, cos.to(dev), sin.to(dev)))
         self.kv, self.backend = self.stages[0].kv, self.stages[0].backend
-        self.cos, self.sin = self.stages[0].cos, self.stages[0].sin
         self.cuda = self.device.type == "cuda"
         # one stream per device: this model's kernels queue apart from every other model's
         self.streams = [torch.cuda.Stream(d) for d in devices] if self.cuda else []

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.devices import host_tensor
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -97,7 +99,6 @@ def sample_batched(logits: torch.Tensor, params: list[SamplingParams],
     argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability p_i. A seeded request
     draws its E on the CPU from its own generator (its Sequence's CPU generator), so its tokens do
     not depend on the batch; the others use the device's generator. Ran on CPU in tests only."""
-    from engines.devices import host_tensor
     out = torch.argmax(logits, dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
@@ -118,7 +119,6 @@ def sample_batched(logits: torch.Tensor, params: list[SamplingParams],
 
 def _filter_batched(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
     """x [R, V] scaled logits -> `_filter` applied to each row, in batched ops."""
-    from engines.devices import host_tensor
     dev, V = x.device, x.shape[-1]
     inf = float("-inf")
     if any(p.top_k > 0 and p.top_k < V for p in ps):

@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import Any, AsyncIterator, Mapping
 
 from aiorouter.spec import ModelSpec
+from engines.devices import parse_devices
 from server.app import ServerConfig
 
 log = logging.getLogger("aiorouter.ray")
@@ -50,10 +51,7 @@ def require_ray(loopback: bool = False):
 
 # -- resources -------------------------------------------------------------------------------------
 def _gpu_ids(device: str) -> list[int]:
-    kind, _, ids = device.partition(":")
-    if kind != "cuda":
-        return []
-    return [int(x) for x in ids.split(",")] if ids else [0]
+    return [d.index or 0 for d in parse_devices(device) if d.type == "cuda"]
 
 
 def replica_resources(models: Mapping[str, Any], device: str = "cpu",

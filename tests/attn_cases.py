@@ -11,7 +11,7 @@ from engines.attention import BatchLayout
 def random_step(rng: random.Random, num_decodes: int, num_extends: int, ps: int, hkv: int, d: int,
                 dtype: torch.dtype, max_ctx: int = 90):
     """A pool full of earlier K/V and one step's batch: decodes first, then extends (some with a
-    cached prefix, some without). -> (layout, caches (k, v), step (q_len list...), q, k, v, pool slots)"""
+    cached prefix, some without). -> (layout, k cache, v cache, a seeded generator for q/k/v)"""
     num_pages = (num_decodes + num_extends) * -(-max_ctx // ps) + 3
     free = list(range(num_pages))
     rng.shuffle(free)

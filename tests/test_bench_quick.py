@@ -6,7 +6,6 @@ import json
 import os
 from pathlib import Path
 
-import pytest
 import torch
 
 from bench import workloads as W

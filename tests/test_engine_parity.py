@@ -1,7 +1,6 @@
 """Greedy tokens and logits of the engine against HF transformers on the same weights."""
 from __future__ import annotations
 
-import pytest
 import torch
 import transformers
 

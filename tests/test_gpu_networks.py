@@ -29,7 +29,6 @@ def test_router_network_graph_padding_keeps_rows():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_router_network_graphs_on_cuda():
     net = CITERRouter(32).cuda().eval()
     h = torch.randn(5, 32)

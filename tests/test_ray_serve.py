@@ -6,7 +6,6 @@ import asyncio
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import aiohttp
 import openai
 import pytest
 
+from bench.common import free_port
 from server.app import ServerConfig
 from server.ray_serve import REPLICA_HEADER, replica_resources
 from test_server import pair, running_server
@@ -61,19 +61,13 @@ PROMPTS = [f"Request {i}: tell me about the number {i}." for i in range(16)]
 LONG = 400  # tokens per stream in the kill phase: long enough to be mid-stream when the replica dies
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def ray_app(tiny_chat_model):
     from server.ray_serve import APP, build_app, require_ray
     if importlib.util.find_spec("ray") is None:
         pytest.fail("the ray tests need the ray extra: pip install -e '.[test,ray]'")
     ray, serve = require_ray(loopback=True)  # ray is first imported here: no other test module imports it
-    port = _free_port()
+    port = free_port()
     t0 = time.perf_counter()
     # workers import aiorouter from this checkout, as the test process does
     ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
@@ -190,7 +184,7 @@ async def test_two_replicas_match_one_process_and_survive_a_replica_kill(ray_app
 def test_cli_serve_ray_two_replicas_backpressure_then_sigterm():
     if importlib.util.find_spec("ray") is None:
         pytest.fail("the ray tests need the ray extra: pip install -e '.[test,ray]'")
-    port = _free_port()
+    port = free_port()
     # 2 running per replica and 2 x 2 waiting in Serve's queue: a burst of 16 overflows it
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--ray", "--replicas", "2", "--model",
                              "a=sim:5", "--model", "b=sim:5", "--policy", "random", "--port", str(port),

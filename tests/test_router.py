@@ -6,7 +6,6 @@ import random
 
 import numpy as np
 import pytest
-import torch
 
 from aiorouter import Router, RouterError
 from engines import Engine

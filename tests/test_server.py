@@ -3,20 +3,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import aiohttp
 import openai
-import pytest
 from aiohttp import web
 
 from aiorouter import Router
+from bench.common import free_port, wait_healthy
 from engines import Engine
 from server.app import Server, ServerConfig
 
@@ -203,14 +200,8 @@ async def test_backpressure_answers_429(tiny_chat_model):
         assert all(ra == "1" for st, ra in results if st == 429)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_finishes_in_flight_and_exits_0(tmp_path):
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", "a=sim:30", "--model", "b=sim:30",
                              "--policy", "random", "--port", str(port), "--grace", "20"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -219,17 +210,8 @@ def test_sigterm_finishes_in_flight_and_exits_0(tmp_path):
         url = f"http://127.0.0.1:{port}"
 
         async def scenario():
+            await wait_healthy(url, timeout=20, interval=0.1)
             async with aiohttp.ClientSession() as s:
-                for _ in range(200):
-                    try:
-                        async with s.get(url + "/health") as r:
-                            if r.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        pass
-                    await asyncio.sleep(0.1)
-                else:
-                    raise AssertionError("server never became healthy")
                 req = asyncio.create_task(s.post(url + "/v1/completions",
                                                  json={"prompt": [5, 6, 7], "max_tokens": 30, "ignore_eos": True}))
                 await asyncio.sleep(0.3)

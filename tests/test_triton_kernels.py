@@ -35,8 +35,7 @@ CASES = [  # (heads, kv heads, head dim, page size, decodes, extends)
 ]
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA")])]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("h,hkv,d,ps,nd,ne", CASES)

@@ -22,9 +22,8 @@ from aiorouter.tuning import (
     threshold_table,
 )
 from aiorouter.tuning.cli import main as cli_main
+from test_tuning import R2R_C, R2R_L, R2R_P
 
-R2R_P = [[0.65, 0.35], [1.0, 0.0]]
-R2R_C = [[1.0, 0.0], [1.0, 0.0]]
 # The bench pair: profiled L(b) = a + c*b, a slow large model at large batches.
 BENCH_LAT = [LatencyModel(1.9e-3, 0.1e-3), LatencyModel(19.2e-3, 5.5e-3)]
 ME3_P = [[0.5, 0.3, 0.2]] * 3
@@ -58,7 +57,7 @@ def test_chosen_delta_keeps_the_table_under_budget(P, lat, cap, budget) -> None:
 def test_exact_quantum_preferred() -> None:
     # 6.0 and 27.9 ms are both multiples of 0.3 ms: no rounding at all, and
     # the coarsest exact quantum (the chain is the same as at 0.1 ms).
-    choice = choose_delta(R2R_P, [6.0e-3, 27.9e-3], 8)
+    choice = choose_delta(R2R_P, R2R_L, 8)
     assert choice.delta == pytest.approx(0.3e-3, rel=1e-9)
     assert choice.max_error < 1e-9
 
@@ -76,7 +75,7 @@ def test_budget_forces_a_coarser_quantum() -> None:
     (dict(max_concurrency=0), "N \\(concurrency\\)"),
 ])
 def test_choose_delta_bad_input(kwargs, msg) -> None:
-    args = dict(P=R2R_P, latencies=[6e-3, 27.9e-3], max_concurrency=4)
+    args = dict(P=R2R_P, latencies=R2R_L, max_concurrency=4)
     args.update(kwargs)
     with pytest.raises(ValueError, match=msg):
         choose_delta(args.pop("P"), args.pop("latencies"), args.pop("max_concurrency"), **args)
@@ -130,7 +129,7 @@ def test_tuner_keeps_previous_row_when_one_n_fails(monkeypatch: pytest.MonkeyPat
         return real(spec, n, **kw)
 
     monkeypatch.setattr(online, "threshold_table", failing_at_3)
-    cfg = TunerConfig.build(R2R_P, R2R_C, [6e-3, 27.9e-3], 4, delta=0.3e-3)
+    cfg = TunerConfig.build(R2R_P, R2R_C, R2R_L, 4, delta=0.3e-3)
     with caplog.at_level(logging.WARNING, logger="aiorouter.tuning"):
         tuner = Tuner(cfg)
     assert tuner.thresholds(3) == tuner.thresholds(2) == (1, 2)
