@@ -7,56 +7,22 @@ instead, in float32, one (sequence, KV head) per work item on torch's intra-op t
 faster per layer at batch 32 (bf16 and fp32). Extends longer than `KERNEL_MAX_Q` (prefill chunks)
 keep SDPA, which is GEMM-shaped there.
 
-`load()` builds the kernel on first use with the machine's C++ compiler (ninja is a dependency)
-and caches it per source and CPU (it is compiled for the host's instruction set) under torch's
-extension directory: ~10 s once per machine. If it cannot be built, `select_backend` warns once
-and uses the portable TorchBackend.
+The kernel is built with the other CPU kernels (engines/cpu_kernels.py); if it cannot be built,
+`select_backend` warns once and uses the portable TorchBackend.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
-import platform
-import warnings
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from engines import cpu_kernels
 from engines.attention import AttentionBackend, BatchLayout, _Extend, plan_extend, run_extends
 
-_SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
-
-
-def _cpu_tag() -> str:
-    """Hash of the CPU's feature flags: a build made with -march=native is only valid there."""
-    try:
-        flags = next(l for l in open("/proc/cpuinfo") if l.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
-
-
-@functools.cache
 def load():
-    """-> the paged attention op, or None if it cannot be built here (warned once)."""
-    try:
-        from torch.utils import cpp_extension
-        from tqdm import tqdm
-        name = f"aiorouter_cpu_attn_{_cpu_tag()}"
-        with tqdm(total=1, desc="building the CPU attention kernel (once per machine)", leave=False,
-                  disable=None) as bar:
-            cpp_extension.load(name=name, sources=[str(_SRC)], is_python_module=False,
-                               extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
-                               extra_ldflags=["-fopenmp"], verbose=False)
-            bar.update()
-        return torch.ops.aiorouter_cpu.paged_attention
-    except Exception as e:  # noqa: BLE001 - any build failure means "use the torch fallback"
-        first = str(e).splitlines()[0] if str(e) else ""
-        warnings.warn(f"CPU attention kernel unavailable ({type(e).__name__}: {first}); attention falls back "
-                      "to gather + SDPA, ~2x slower for decodes. It needs a C++ compiler (g++) and ninja.",
-                      RuntimeWarning, stacklevel=2)
-        return None
+    """-> the paged attention op, or None if the CPU kernels cannot be built here (warned once)."""
+    ops = cpu_kernels.load()
+    return ops.paged_attention if ops is not None else None
 
 
 KERNEL_MAX_Q = 16  # longer extends run as SDPA: GEMM-shaped work the kernel's dot loops do badly

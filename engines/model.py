@@ -80,16 +80,32 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
+    # the C++ CPU kernels (engines/cpu_kernels.py), set by CausalLM.use_cpu_kernels; None: torch ops
+    fused = None
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 statistics as in HF, in one ATen call instead of seven Python-level ops (16 -> 8 us
-        # per call at T=1). fp32 results are bit-equal to HF's formula (checked on 200 random
-        # inputs); in bf16 it rounds once where HF rounds twice (at most 1 bf16 ulp apart).
+        # float32 statistics as in HF. `F.rms_norm` is one call but six ATen ops on CPU (~8 us at
+        # T=1); the fused kernel is one pass (~1.3 us). fp32 results match HF's formula to 1 ulp
+        # (summation order); in bf16 both round once where HF rounds twice (<= 1 bf16 ulp apart).
+        if self.fused is not None:
+            out = torch.empty(x.shape, dtype=x.dtype)
+            self.fused.rms_norm(x, self.weight, self.eps, out)
+            return out
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (norm(x + residual), x + residual), the residual stream's add and the next norm in
+        one pass on CPU (in place: x and residual are the layer's own temporaries)."""
+        if self.fused is not None and x.is_contiguous() and residual.is_contiguous():
+            self.fused.add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self.forward(residual), residual
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +165,10 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
         qk = qkv[:, :(h + self.hkv) * d].view(T, h + self.hkv, d)  # q and k heads side by side
         v = qkv[:, (h + self.hkv) * d:].view(T, self.hkv, d)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.q_norm.fused is not None:  # in place, inside qkv: no cat
+            self.q_norm.fused.rms_norm(qk[:, :h], self.q_norm.weight, self.q_norm.eps, qk[:, :h])
+            self.k_norm.fused.rms_norm(qk[:, h:], self.k_norm.weight, self.k_norm.eps, qk[:, h:])
+        elif self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
         qk = apply_rotary(qk, ctx.cos, ctx.sin)  # one rotary for q and k together
         q, k = qk[:, :h], qk[:, h:]  # [T, H, D], [T, Hkv, D]
@@ -176,9 +195,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, ctx: AttnContext,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (this layer's MLP output, the residual stream before it): the add that finishes
+        the layer happens in the next norm (RMSNorm.add_forward), as in vLLM. Same sums, same
+        rounding as `x + attn(norm(x))` then `x + mlp(norm(x))`."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_forward(x, residual)
+        x = self.self_attn(x, ctx)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual)
+        return self.mlp(x), residual
 
 
 class CausalLM(nn.Module):
@@ -199,12 +227,14 @@ class CausalLM(nn.Module):
     def forward_stages(self, input_ids: torch.Tensor, stages: list[tuple[range, AttnContext]]) -> torch.Tensor:
         """The same forward over a device group: stage i runs its layer range on its own device
         with its own context (KV, metadata, rotary tables); the hidden state moves between them."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None  # [T, hidden] each
         for layers, ctx in stages:
-            x = x.to(ctx.cos.device, non_blocking=True)  # [T, hidden], peer copy ordered by torch
+            dev = ctx.cos.device  # peer copies, ordered by torch
+            x = x.to(dev, non_blocking=True)
+            residual = residual.to(dev, non_blocking=True) if residual is not None else None
             for i in layers:
-                x = self.layers[i](x, ctx)
-        return self.norm(x)
+                x, residual = self.layers[i](x, ctx, residual)
+        return self.norm.add_forward(x, residual)[0] if residual is not None else self.norm(x)
 
     def place(self, devices: list[torch.device], ranges: list[range]) -> None:
         """Move each layer range to its device: the embedding with the first stage, the final norm
@@ -223,6 +253,13 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> logits [B, vocab] in float32."""
         return self.lm_head(hidden).float()
+
+    def use_cpu_kernels(self, ops) -> None:
+        """Run every RMSNorm (and the residual adds) in the fused CPU kernels `ops`
+        (engines/cpu_kernels.load()); CPU-only models."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.fused = ops
 
     def pack_weights(self) -> int:
         """Pre-pack every linear layer for oneDNN (CPU fp32/bf16; a no-op elsewhere). Call once,

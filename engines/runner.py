@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from engines.attention import AttentionBackend, BatchLayout, select_backend
+from engines import cpu_kernels
 from engines.config import EngineConfig, ModelConfig
 from engines.devices import LayerSlice, StageKV, host_tensor, split_layers
 from engines.kv_cache import KVPool
@@ -61,6 +62,9 @@ class ModelRunner:
             model.place(devices, ranges)
         elif self.device.type == "cpu":
             model.pack_weights()  # oneDNN-packed linears: see model.Linear
+            ops = cpu_kernels.load()  # None (warned) without a compiler: torch ops then
+            if ops is not None:
+                model.use_cpu_kernels(ops)
         cos, sin = rope_cache(cfg, max_model_len, torch.device("cpu"))  # [max_len, D] fp32
         # Cast once here (HF casts per layer, to the same values) and fold rotate_half's sign into sin.
         cos, sin = cos.to(dtype)[:, None, :], signed_sin(sin).to(dtype)[:, None, :]  # [max_len, 1, D]
