@@ -74,3 +74,24 @@ def test_kernel_rejects_mismatched_inputs():
         OP(q, kc, kc, bt, seqs, 4, 0.25, torch.empty_like(q))
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
         OP(q[:, :3], kc.float()[:, :2], kc.float()[:, :2], bt, seqs, 4, 0.25, torch.empty(2, 3, 16))
+
+
+@pytest.mark.parametrize("shape", [(16, 4, 64), (8, 2, 128), (9, 3, 64), (4, 1, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_row_extends_match_torch_backend(shape, dtype):
+    """Short extends with many query rows per KV head (handoff resumes under GQA: q_len * G up
+    to 64, so up to 4 blocks of 16 rows in the kernel's AVX-512 path) next to decodes."""
+    h, hkv, d = shape
+    for seed in range(6):
+        layout, kc, vc, g = random_step(random.Random(seed), 2, 5, 4, hkv, d, dtype, max_ctx=300)
+        # every extend short enough for the kernel, at least 2 tokens, with a cached prefix
+        q_lens = [1] * 2 + [min(KERNEL_MAX_Q, max(2, kv // 3)) for kv in layout.kv_lens[2:]]
+        slots = []
+        for q, kv, table in zip(q_lens, layout.kv_lens, layout.block_tables.tolist()):
+            slots += [table[t // 4] * 4 + t % 4 for t in range(kv - q, kv)]
+        layout = layout._replace(q_lens=q_lens, slot_mapping=torch.tensor(slots, dtype=torch.int64))
+        assert any(q * (h // hkv) >= 8 for q in q_lens[2:])
+        (ref, rk, rv), (out, ok, ov) = _both(layout, kc, vc, g, h, hkv, d, dtype)
+        assert torch.equal(rk, ok) and torch.equal(rv, ov)
+        tol = 2e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
