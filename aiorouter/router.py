@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Mapping
 
 from aiorouter import heap
 from aiorouter.batching import parse_thresholds
-from aiorouter.cpu_threads import resolve_threads
+from aiorouter.cpu_threads import CoreShare, resolve_threads
 from aiorouter.metrics import RouterMetrics
 from aiorouter.request import (GenerateResult, Kick, NewRequest, Release, ReqStatus, RouterError, RouterRequest,
                                StreamEvent, Wake)
@@ -69,6 +69,7 @@ class Router:
         self._in_flight = 0  # NewRequest/Handoff messages posted and not yet handled
         self._started = False
         self._holds_heap = False
+        self._core_share: CoreShare | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> "Router":
@@ -89,6 +90,8 @@ class Router:
             s = Subserver(self, i, name, eng, threads[i])
             self.subservers.append(s)
             self.metrics.models[name] = s.metrics
+        # every model on this CPU: the heaviest lends cores to the others' steps (cpu_threads.CoreShare)
+        self._core_share = CoreShare.plan([getattr(e, "runner", None) for e in engines], threads)
         if self._thresholds is None:
             self._thresholds = await self._auto_thresholds()
         if self.mode == "sync":
@@ -140,7 +143,8 @@ class Router:
         sizes = sorted({1, 2, 4, cap})
         lats = []
         for s in self.subservers:
-            lat = await asyncio.to_thread(profile_decode_latency, s.engine, sizes)
+            # in the model's own worker: measured with the intra-op threads it will serve with
+            lat = await asyncio.get_running_loop().run_in_executor(s.executor, profile_decode_latency, s.engine, sizes)
             fit = fit_latency(list(lat), list(lat.values()))
             if fit.c * cap < 0.05 * fit.a:  # a slope inside the noise only multiplies the chain's states
                 fit = LatencyModel(fit(1), 0.0)

@@ -31,7 +31,7 @@ from typing import AsyncIterator
 import numpy as np
 import torch
 
-from aiorouter.cpu_threads import plan_threads
+from aiorouter.cpu_threads import CoreShare, plan_threads
 from engines import Engine, EngineConfig, SamplingParams
 from engines.config import ModelConfig
 from policies.rstitch import normalized_entropy
@@ -122,6 +122,8 @@ class EngineServer:
         self.steps = 0
         self.batch_rows = 0  # sum of batch sizes (mean batch = batch_rows / steps)
         self.busy_s = 0.0  # worker-thread time inside steps
+        self.share: CoreShare | None = None  # set with the others' servers: cores lent as in the router
+        self.index = 0
 
     def set_threads(self, threads: int) -> None:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"std-{self.name}", initializer=torch.set_num_threads,
@@ -153,7 +155,11 @@ class EngineServer:
                 continue
             pending, self._pending = self._pending, []
             try:
-                results = await loop.run_in_executor(self.executor, self._step, pending)
+                if self.share is not None and self.index in self.share.light:
+                    results = await loop.run_in_executor(self.executor, self.share.run_light, self.index, self._step,
+                                                         pending)
+                else:
+                    results = await loop.run_in_executor(self.executor, self._step, pending)
             except Exception as e:  # fail every caller rather than hang them
                 for fut in [f for _, f in pending] + list(self._futs.values()):
                     if not fut.done():
@@ -220,8 +226,11 @@ class StdServing:
             n_kv = kv_tokens(path, self.kv_memory_gb, 0.5, page)
             self.servers.append(await asyncio.to_thread(EngineServer, name, path, n_kv, self.engine_config))
         # the same per-model thread plan as the router's: a baseline gets every advantage we take
-        for srv, t in zip(self.servers, plan_threads([srv.engine.num_params for srv in self.servers])):
+        threads = plan_threads([srv.engine.num_params for srv in self.servers])
+        share = CoreShare.plan([srv.engine.runner for srv in self.servers], threads)
+        for i, (srv, t) in enumerate(zip(self.servers, threads)):
             srv.set_threads(t)
+            srv.share, srv.index = share, i
         for s in self.servers:
             await s.start()
         return self

@@ -25,7 +25,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -70,6 +70,7 @@ class Pair:
     policy: str
     policy_args: dict
     vocab: int
+    notes: dict = field(default_factory=dict)
 
 
 def load_pair(name: str) -> Pair:
@@ -80,7 +81,11 @@ def load_pair(name: str) -> Pair:
         large = default_model_path()
         small = truncated_model_path(large, 10)
         vocab = json.loads((large / "config.json").read_text())["vocab_size"]
-        return Pair(name, small, large, "rstitch", {"tau": 0.03}, vocab)
+        # tau where the pair splits its tokens like cpu-tiny's random p = 0.35 (bench/tau.py), from
+        # prompts drawn like low-effort's but not the measured ones
+        from bench.tau import calibrate
+        cal = calibrate(small, large, W.short_prompts(seed=123, count=4, vocab=min(vocab, W.VOCAB)))
+        return Pair(name, small, large, "rstitch", {"tau": cal["tau"]}, vocab, {"tau_calibration": cal})
     raise ValueError(f"unknown pair {name!r}; choose from {', '.join(PAIRS)}")
 
 
@@ -534,8 +539,9 @@ def main(argv: list[str] | None = None) -> int:
             "threads": {
                 "total": cores,
                 "aiorouter/eager/sync": "per model worker: small {}, large {} intra-op thread(s) "
-                                        "(aiorouter.cpu_threads)".format(*plan_threads([0, 1], cores)),
-                "std-serving": "per server worker: the same plan as aiorouter's",
+                                        "(aiorouter.cpu_threads); while a small step runs, the large "
+                                        "model's team shrinks to the cores left (CoreShare)".format(*plan_threads([0, 1], cores)),
+                "std-serving": "per server worker: the same plan as aiorouter's, CoreShare included",
                 "large-alone/small-alone": f"{router_threads(1)} intra-op thread(s), one model worker",
                 "hf-naive": {p: f"{c['threads']} intra-op thread(s), both models on one thread in turn" +
                              (f" (auto: faster of 1 and {cores}; calibration {c})" if len(c) > 1 else "")
@@ -546,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"Std. Serving page_size {args.std_page_size}",
         },
         "pairs": {**prev.get("pairs", {}), **{p.name: {"small": str(p.small), "large": str(p.large), "policy": p.policy,
-                                                        "policy_args": p.policy_args} for p in pairs}},
+                                                        "policy_args": p.policy_args, **p.notes} for p in pairs}},
         "workloads": {**prev.get("workloads", {}), **({w: wls[pairs[0].name][w].describe() for w in wl_names} if pairs else {})},
         "systems": {s: LABELS[s] for s in SYSTEMS},
         "results": results,

@@ -7,7 +7,7 @@ it learns that from the per-step `AttnContext` passed down (no global state).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -224,15 +224,19 @@ class CausalLM(nn.Module):
         """input_ids [T] -> final-normed hidden states [T, hidden]."""
         return self.forward_stages(input_ids, [(range(len(self.layers)), ctx)])
 
-    def forward_stages(self, input_ids: torch.Tensor, stages: list[tuple[range, AttnContext]]) -> torch.Tensor:
+    def forward_stages(self, input_ids: torch.Tensor, stages: list[tuple[range, AttnContext]],
+                       between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """The same forward over a device group: stage i runs its layer range on its own device
-        with its own context (KV, metadata, rotary tables); the hidden state moves between them."""
+        with its own context (KV, metadata, rotary tables); the hidden state moves between them.
+        `between_layers` runs before every layer (see ModelRunner.layer_hook)."""
         x, residual = self.embed_tokens(input_ids), None  # [T, hidden] each
         for layers, ctx in stages:
             dev = ctx.cos.device  # peer copies, ordered by torch
             x = x.to(dev, non_blocking=True)
             residual = residual.to(dev, non_blocking=True) if residual is not None else None
             for i in layers:
+                if between_layers is not None:
+                    between_layers()
                 x, residual = self.layers[i](x, ctx, residual)
         return self.norm.add_forward(x, residual)[0] if residual is not None else self.norm(x)
 

@@ -9,7 +9,7 @@ The CUDA paths have not run on a GPU yet (bench/gpu_check.py is their check); CP
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -86,6 +86,9 @@ class ModelRunner:
         for st in self.streams:
             st.wait_stream(torch.cuda.current_stream(st.device))  # after the weight and KV set-up
         self.graphs = None
+        # called before each layer of a CPU step, in the stepping thread (an owner sharing the
+        # cores between models adjusts this thread's intra-op threads there); None: nothing
+        self.layer_hook: Callable[[], None] | None = None
         if self.cuda and cuda_graphs and len(devices) == 1:
             self.graphs = self._make_graphs()
 
@@ -113,7 +116,9 @@ class ModelRunner:
         """One device: ids, positions [T] -> hidden [T, hidden]. What a CUDA graph captures."""
         st = self.stages[0]
         ctx = AttnContext(backend or st.backend, meta, st.kv, st.cos[positions], st.sin[positions])
-        return self.model(input_ids, ctx)
+        if self.layer_hook is None or self.cuda:
+            return self.model(input_ids, ctx)
+        return self.model.forward_stages(input_ids, [(range(len(self.model.layers)), ctx)], self.layer_hook)
 
     def _on_streams(self) -> contextlib.ExitStack:
         """This runner's streams current on their devices, and its first device current."""

@@ -28,3 +28,50 @@ def test_router_refuses_bad_threads_at_construction():
     from aiorouter import Router
     with pytest.raises(ValueError, match="unknown model 'nope'"):
         Router({"a": {"engine": "sim", "latency_ms": 1.0}}, threads={"nope": 2})
+
+
+class _Runner:
+    cuda = False
+    layer_hook = None
+
+
+def test_core_share_shrinks_the_heavy_team_while_light_steps_run():
+    import threading
+    import torch
+    from aiorouter.cpu_threads import CoreShare
+    runners = [_Runner(), _Runner()]
+    share = CoreShare.plan(runners, [1, 2])
+    share.cores = 2  # the bench machine's shape, whatever this one has
+    assert runners[1].layer_hook == share.heavy_layer and runners[0].layer_hook is None
+    seen = []
+
+    def heavy_thread():  # a worker thread of its own, as in the router (thread counts are per thread)
+        torch.set_num_threads(2)
+        share.heavy_layer()
+        seen.append(torch.get_num_threads())
+        share.run_light(0, lambda: (share.heavy_layer(), seen.append(torch.get_num_threads())))
+        share.heavy_layer()
+        seen.append(torch.get_num_threads())
+
+    t = threading.Thread(target=heavy_thread)
+    t.start()
+    t.join()
+    assert seen == [2, 1, 2]
+    assert share.light_busy == 0
+
+
+def test_core_share_counts_a_failed_light_step_back():
+    from aiorouter.cpu_threads import CoreShare
+    share = CoreShare.plan([_Runner(), _Runner()], [1, 2])
+    with pytest.raises(ZeroDivisionError):
+        share.run_light(0, lambda: 1 / 0)
+    assert share.light_busy == 0
+
+
+def test_core_share_only_when_every_model_is_on_this_cpu():
+    from aiorouter.cpu_threads import CoreShare
+    gpu = _Runner()
+    gpu.cuda = True
+    assert CoreShare.plan([_Runner(), gpu], [1, 2]) is None
+    assert CoreShare.plan([_Runner(), None], [1, 2]) is None  # a sim engine has no runner
+    assert CoreShare.plan([_Runner()], [2]) is None

@@ -55,6 +55,10 @@ async def test_identical_models_random_policy_equals_single(tiny_qwen3, tiny_ref
         for s in r.subservers:
             assert s.engine.block_manager.num_prefix_matches <= N_REQ
         assert sum(h.values()) > 2 * N_REQ
+        # both on this CPU: one model lends cores to the other's steps, and every lent core came back
+        share = r._core_share
+        assert share is not None and share.light_busy == 0
+        assert sum(s.engine.runner.layer_hook is not None for s in r.subservers) == 1
 
 
 def _median_entropy_tau(path, ps):
