@@ -44,7 +44,6 @@ def resolve_threads(spec: int | Mapping[str, int] | None, names: Sequence[str], 
     return out
 
 
-
 class CoreShare:
     """Cores lent back and forth between the heaviest model and the others, on one CPU.
 

@@ -114,7 +114,10 @@ def render(data: dict, pngs: list | None = None, notes: str | None = None) -> st
               if data.get("outside_cores") else "-"),
            f"- sweep: {data.get('sweep_s', 0) / 60:.1f} min" +
            (f" (estimated {data['estimate_s'] / 60:.1f} min)" if data.get("estimate_s") else ""),
-           f"- closed loop: {c['requests_per_client']} request(s) per client, at least {c['min_requests']} per run; "
+           "- closed loop: " + (", ".join(f"{b} {v}" for b, v in c["requests_per_client_by_block"].items()) + " "
+                                if len(set(c.get("requests_per_client_by_block", {}).values())) > 1
+                                else f"{c['requests_per_client']} ")
+           + f"request(s) per client, at least {c['min_requests']} per run; "
            f"greedy, fixed output lengths (ignore_eos); KV memory {c['kv_memory_gb']} GB per system",
            "- threads: " + "; ".join(f"{k}: {v}" for k, v in c["threads"].items() if k != "hf-naive")
            + "; hf-naive: " + "; ".join(f"{p}: {v}" for p, v in (c["threads"].get("hf-naive") or {}).items()),
@@ -131,8 +134,8 @@ def render(data: dict, pngs: list | None = None, notes: str | None = None) -> st
     bw = by_workload_table(data.get("ratios_by_workload") or [])
     if bw:
         out += ["## The same ratios on every pair and workload (context)", "",
-                "For smollm2 the routed systems use rstitch (tau 0.03), so the fractions differ from cpu-tiny's.", "",
-                bw, ""]
+                "Every pair routes with its own policy (the header's `pairs` line), so the token fractions "
+                "differ from cpu-tiny's.", "", bw, ""]
     for pair, wls in data["results"].items():
         for wl in wls:
             out += [f"## {pair}, {wl}", "", results_table(data, pair, wl), ""]

@@ -565,6 +565,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     measured = {s for wls_ in results.values() for cell in wls_.values() for row in cell.values() for s in row}
     data["config"]["systems"] = [s for s in SYSTEMS if s in measured or s in systems]
+    # closed-loop depth per (pair, workload) block: merged blocks may come from invocations with another
+    blocks = dict(prev.get("config", {}).get("requests_per_client_by_block", {}))
+    if prev and not blocks:  # blocks merged before this was recorded ran at the then-only setting
+        blocks = {f"{p}/{w}": prev["config"].get("requests_per_client", 1) for p, ws in results.items() for w in ws}
+    blocks.update({f"{p.name}/{w}": rpc for p in pairs for w in wl_names})
+    data["config"]["requests_per_client_by_block"] = blocks
     if prev:
         data["config"]["merged_from_earlier_invocations"] = True
     data["json_path"] = str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
