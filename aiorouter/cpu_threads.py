@@ -7,6 +7,7 @@ the large one's spinning OpenMP team. So the heaviest model gets every core and 
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Callable, Mapping, Sequence, TypeVar
@@ -73,6 +74,11 @@ class CoreShare:
         share = cls(threads[heavy], {i: t for i, t in enumerate(threads) if i != heavy})
         runners[heavy].layer_hook = share.heavy_layer
         return share
+
+    def step_fn(self, index: int, fn: Callable[..., T]) -> Callable[..., T]:
+        """Model `index`'s step function as its worker must call it: counted while it runs when
+        the model is a light one, unchanged for the heavy one."""
+        return functools.partial(self.run_light, index, fn) if index in self.light else fn
 
     def run_light(self, index: int, fn: Callable[..., T], *args) -> T:
         """Run a light model's step `fn(*args)` (in its worker thread), its threads counted."""

@@ -124,11 +124,10 @@ class Subserver:
         steps go on meanwhile (engines/runner.py)."""
         want_hidden = any(self.router.policy_for(s.user_data).needs_hidden for s, _ in batch)
         loop = asyncio.get_running_loop()
-        share = self.router._core_share
-        if share is not None and self.index in share.light:
-            return await loop.run_in_executor(self.executor, share.run_light, self.index, self.engine.runner.run,
-                                              batch, want_hidden)
-        return await loop.run_in_executor(self.executor, self.engine.runner.run, batch, want_hidden)
+        share, run = self.router._core_share, self.engine.runner.run
+        if share is not None:
+            run = share.step_fn(self.index, run)
+        return await loop.run_in_executor(self.executor, run, batch, want_hidden)
 
     async def step(self) -> bool:
         """Schedule, run and post-process one batch. False when nothing could be scheduled."""

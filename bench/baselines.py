@@ -155,11 +155,8 @@ class EngineServer:
                 continue
             pending, self._pending = self._pending, []
             try:
-                if self.share is not None and self.index in self.share.light:
-                    results = await loop.run_in_executor(self.executor, self.share.run_light, self.index, self._step,
-                                                         pending)
-                else:
-                    results = await loop.run_in_executor(self.executor, self._step, pending)
+                step = self.share.step_fn(self.index, self._step) if self.share is not None else self._step
+                results = await loop.run_in_executor(self.executor, step, pending)
             except Exception as e:  # fail every caller rather than hang them
                 for fut in [f for _, f in pending] + list(self._futs.values()):
                     if not fut.done():

@@ -98,6 +98,10 @@ class RMSNorm(nn.Module):
             return out
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
+    def forward_(self, x: torch.Tensor) -> None:
+        """Normalise x in place (x may be a strided view, e.g. heads inside qkv); fused kernel only."""
+        self.fused.rms_norm(x, self.weight, self.eps, x)
+
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (norm(x + residual), x + residual), the residual stream's add and the next norm in
         one pass on CPU (in place: x and residual are the layer's own temporaries)."""
@@ -166,8 +170,8 @@ class Attention(nn.Module):
         qk = qkv[:, :(h + self.hkv) * d].view(T, h + self.hkv, d)  # q and k heads side by side
         v = qkv[:, (h + self.hkv) * d:].view(T, self.hkv, d)
         if self.q_norm is not None and self.q_norm.fused is not None:  # in place, inside qkv: no cat
-            self.q_norm.fused.rms_norm(qk[:, :h], self.q_norm.weight, self.q_norm.eps, qk[:, :h])
-            self.k_norm.fused.rms_norm(qk[:, h:], self.k_norm.weight, self.k_norm.eps, qk[:, h:])
+            self.q_norm.forward_(qk[:, :h])
+            self.k_norm.forward_(qk[:, h:])
         elif self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
         qk = apply_rotary(qk, ctx.cos, ctx.sin)  # one rotary for q and k together

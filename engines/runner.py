@@ -13,8 +13,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from engines.attention import AttentionBackend, BatchLayout, select_backend
 from engines import cpu_kernels
+from engines.attention import AttentionBackend, BatchLayout, select_backend
 from engines.config import EngineConfig, ModelConfig
 from engines.devices import LayerSlice, StageKV, host_tensor, split_layers
 from engines.kv_cache import KVPool
@@ -116,8 +116,6 @@ class ModelRunner:
         """One device: ids, positions [T] -> hidden [T, hidden]. What a CUDA graph captures."""
         st = self.stages[0]
         ctx = AttnContext(backend or st.backend, meta, st.kv, st.cos[positions], st.sin[positions])
-        if self.layer_hook is None or self.cuda:
-            return self.model(input_ids, ctx)
         return self.model.forward_stages(input_ids, [(range(len(self.model.layers)), ctx)], self.layer_hook)
 
     def _on_streams(self) -> contextlib.ExitStack:
