@@ -36,9 +36,12 @@ ROLES = (("RouterReplica", "replicas"), ("server.cli", "replicas"), ("Ingress", 
 def tree_cpu() -> dict[str, float]:
     """CPU seconds used so far by this process ("client") and its descendants, by role."""
     kids: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}  # pid -> /proc/<pid>/stat fields after the command name
     for d in Path("/proc").iterdir():
         try:
-            kids.setdefault(int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(int(d.name))
+            pid, fields = int(d.name), (d / "stat").read_text().rsplit(")", 1)[1].split()
+            kids.setdefault(int(fields[1]), []).append(pid)
+            stats[pid] = fields
         except (OSError, ValueError, IndexError):
             continue
     out: dict[str, float] = {}
@@ -47,9 +50,9 @@ def tree_cpu() -> dict[str, float]:
         pid = todo.pop()
         todo += kids.get(pid, [])
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = stats[pid]
             cmd = Path(f"/proc/{pid}/cmdline").read_text()
-        except (OSError, ValueError, IndexError):
+        except (KeyError, OSError):
             continue
         role = "client" if pid == os.getpid() else next((r for key, r in ROLES if key in cmd), "ray-other")
         out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -112,7 +112,9 @@ def render(data: dict, pngs: list | None = None, notes: str | None = None) -> st
            "- other processes' CPU use during the runs (cores, measured from /proc/stat minus this process): "
            + (", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in data["outside_cores"].items())
               if data.get("outside_cores") else "-"),
-           f"- sweep: {data.get('sweep_s', 0) / 60:.1f} min" +
+           (f"- this invocation's sweep: {data.get('sweep_s', 0) / 60:.1f} min (the tables also hold blocks "
+            "measured by earlier invocations, merged)" if c.get("merged_from_earlier_invocations")
+            else f"- sweep: {data.get('sweep_s', 0) / 60:.1f} min") +
            (f" (estimated {data['estimate_s'] / 60:.1f} min)" if data.get("estimate_s") else ""),
            "- closed loop: " + (", ".join(f"{b} {v}" for b, v in c["requests_per_client_by_block"].items()) + " "
                                 if len(set(c.get("requests_per_client_by_block", {}).values())) > 1

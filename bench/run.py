@@ -37,7 +37,7 @@ from aiorouter.cpu_threads import plan_threads
 from bench import workloads as W
 from bench.baselines import HFNaive, StdServing, make_rule
 from aiorouter import heap
-from bench.common import ROOT, LoopResult, OutsideLoad, closed_loop, machine, tiny_qwen3
+from bench.common import ROOT, LoopResult, OutsideLoad, cache_dir, closed_loop, machine, tiny_qwen3
 
 SYSTEMS = ("aiorouter", "eager", "sync", "std-serving", "hf-naive", "large-alone", "small-alone")
 LABELS = {"aiorouter": "aiorouter (delayed)", "eager": "aiorouter eager", "sync": "aiorouter sync",
@@ -84,7 +84,8 @@ def load_pair(name: str) -> Pair:
         # tau where the pair splits its tokens like cpu-tiny's random p = 0.35 (bench/tau.py), from
         # prompts drawn like low-effort's but not the measured ones
         from bench.tau import calibrate
-        cal = calibrate(small, large, W.short_prompts(seed=123, count=4, vocab=min(vocab, W.VOCAB)))
+        cal = calibrate(small, large, W.short_prompts(seed=123, count=4, vocab=min(vocab, W.VOCAB)),
+                        cache=cache_dir() / "bench-tau")
         return Pair(name, small, large, "rstitch", {"tau": cal["tau"]}, vocab, {"tau_calibration": cal})
     raise ValueError(f"unknown pair {name!r}; choose from {', '.join(PAIRS)}")
 

@@ -10,6 +10,8 @@ cpu-tiny (p = 0.35).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -39,12 +41,31 @@ def large_share(tau: float, h_small: np.ndarray, h_large: np.ndarray) -> float:
     return p / (p + q) if p + q > 0 else 0.0
 
 
+def _checkpoint_id(path: str | Path) -> list:
+    """What identifies a checkpoint's weights without reading them: its files' names, sizes, mtimes."""
+    return sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(path).iterdir() if f.is_file())
+
+
 def calibrate(small: str | Path, large: str | Path, prompts: list[list[int]], target: float = 0.35,
-              steps: int = 32) -> dict:
-    """-> {"tau", "large_share" (predicted), "target", "tokens"}: the candidate closest to the target."""
+              steps: int = 32, cache: Path | None = None) -> dict:
+    """-> {"tau", "large_share" (predicted), "target", "tokens"}: the candidate closest to the target.
+    With `cache` (a folder), a result is kept there under a hash of both checkpoints' files and
+    every argument, and reused: the calibration decodes with both models (seconds per invocation)."""
+    entry = None
+    if cache is not None:
+        key = json.dumps([_checkpoint_id(small), _checkpoint_id(large), prompts, target, steps])
+        entry = Path(cache) / f"tau-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+        if entry.is_file():
+            return json.loads(entry.read_text())
     h_small, h_large = entropies(small, prompts, steps), entropies(large, prompts, steps)
     candidates = np.unique(np.concatenate([h_small, h_large]))
     shares = np.array([large_share(t, h_small, h_large) for t in candidates])
     best = int(np.argmin(np.abs(shares - target)))
-    return {"tau": round(float(candidates[best]), 6), "large_share": round(float(shares[best]), 3),
-            "target": target, "tokens": int(h_small.size)}
+    out = {"tau": round(float(candidates[best]), 6), "large_share": round(float(shares[best]), 3),
+           "target": target, "tokens": int(h_small.size)}
+    if entry is not None:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out))
+        tmp.replace(entry)  # a concurrent reader sees the whole file or none
+    return out

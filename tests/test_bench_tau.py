@@ -1,7 +1,12 @@
 """rstitch's tau for a real pair (bench/tau.py): the chain's large-model share, and a calibration
 on real engines that lands near its target."""
-import numpy as np
+import os
+import shutil
 
+import numpy as np
+import pytest
+
+import bench.tau
 from bench.tau import calibrate, large_share
 
 
@@ -21,3 +26,22 @@ def test_calibration_on_real_engines_hits_the_target(tiny_qwen3):
     assert cal["tokens"] == 36
     assert 0.0 <= cal["tau"] <= 1.0
     assert abs(cal["large_share"] - 0.35) < 0.1
+
+
+
+def test_calibration_is_cached_per_checkpoints_and_arguments(tiny_qwen3, tmp_path, monkeypatch):
+    model = shutil.copytree(tiny_qwen3, tmp_path / "model")  # a copy: this test changes it
+    cache, prompts = tmp_path / "cache", [[5, 17, 230, 41, 9]]
+    first = calibrate(model, model, prompts, target=0.35, steps=6, cache=cache)
+    assert len(list(cache.glob("tau-*.json"))) == 1
+
+    def no_decoding(*a, **k):
+        raise AssertionError("decoded again")
+    monkeypatch.setattr(bench.tau, "entropies", no_decoding)
+    assert calibrate(model, model, prompts, target=0.35, steps=6, cache=cache) == first
+    with pytest.raises(AssertionError, match="decoded again"):  # another target is another entry
+        calibrate(model, model, prompts, target=0.5, steps=6, cache=cache)
+    st = (model / "config.json").stat()
+    os.utime(model / "config.json", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    with pytest.raises(AssertionError, match="decoded again"):  # so is a changed checkpoint
+        calibrate(model, model, prompts, target=0.35, steps=6, cache=cache)

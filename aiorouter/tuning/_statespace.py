@@ -162,7 +162,7 @@ def enumerate_chains(
         new = np.flatnonzero(ids < 0)
         if new.size:
             nk, inv_new = np.unique(keys[new], return_inverse=True)
-            ncid = (nk // space).astype(np.int64)
+            ncid, nK, nBt, nR = enc.decode(nk)  # the next frontier, once the limits pass
             per_chain += np.bincount(ncid, minlength=nB)
             worst = int(per_chain.argmax())
             if per_chain[worst] > max_states:
@@ -174,7 +174,7 @@ def enumerate_chains(
             if budget is not None and nB > 1 and hmap.size + nk.size > budget:
                 raise BudgetExceeded()
             ids[new] = hmap.insert_new(nk)[inv_new]
-            cid, K, Bt, R = enc.decode(nk)
+            cid, K, Bt, R = ncid, nK, nBt, nR
         else:
             cid = cid[:0]
         lv["dst"].append(ids.astype(np.int32))
