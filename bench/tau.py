@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +66,7 @@ def calibrate(small: str | Path, large: str | Path, prompts: list[list[int]], ta
            "target": target, "tokens": int(h_small.size)}
     if entry is not None:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = entry.with_suffix(".tmp")
+        tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(out))
         tmp.replace(entry)  # a concurrent reader sees the whole file or none
     return out
