@@ -122,8 +122,8 @@ class EngineServer:
         self.steps = 0
         self.batch_rows = 0  # sum of batch sizes (mean batch = batch_rows / steps)
         self.busy_s = 0.0  # worker-thread time inside steps
-        self.share: CoreShare | None = None  # set with the others' servers: cores lent as in the router
-        self.index = 0
+        # the worker's step; StdServing wraps it once it knows the other servers (cores lent as in the router)
+        self.run_step = self._step
 
     def set_threads(self, threads: int) -> None:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"std-{self.name}", initializer=torch.set_num_threads,
@@ -155,8 +155,7 @@ class EngineServer:
                 continue
             pending, self._pending = self._pending, []
             try:
-                step = self.share.step_fn(self.index, self._step) if self.share is not None else self._step
-                results = await loop.run_in_executor(self.executor, step, pending)
+                results = await loop.run_in_executor(self.executor, self.run_step, pending)
             except Exception as e:  # fail every caller rather than hang them
                 for fut in [f for _, f in pending] + list(self._futs.values()):
                     if not fut.done():
@@ -227,7 +226,8 @@ class StdServing:
         share = CoreShare.plan([srv.engine.runner for srv in self.servers], threads)
         for i, (srv, t) in enumerate(zip(self.servers, threads)):
             srv.set_threads(t)
-            srv.share, srv.index = share, i
+            if share is not None:
+                srv.run_step = share.step_fn(i, srv._step)
         for s in self.servers:
             await s.start()
         return self

@@ -23,7 +23,7 @@ if __package__ in (None, ""):
 from bench import workloads as W
 from bench.baselines import HFNaive, make_rule
 from bench.common import ROOT, machine
-from bench.run import RATIO_PAIR, RATIOS, Opts, _hf_threads, load_pair, run_one
+from bench.run import RATIO_PAIR, RATIOS, STD_PAGE_SIZE, Opts, _hf_threads, load_pair, run_one
 
 
 def needed_runs() -> list[tuple[str, int, str]]:
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(s == "hf-naive" for _, _, s in runs):
         hf_threads, _ = _hf_threads(pair, "auto", quick=False)
         hf = HFNaive(pair.small, pair.large, make_rule(pair.policy, pair.policy_args), hf_threads)
-    opts = Opts(args.kv_memory_gb, args.requests_per_client, 2, hf_threads, {"page_size": 1})  # as bench.run
+    opts = Opts(args.kv_memory_gb, args.requests_per_client, 2, hf_threads, {"page_size": STD_PAGE_SIZE})
     wls = {w: W.make(w, vocab=pair.vocab) for w in {wl for wl, _, _ in runs}}
     path = out_dir / "repeats.json"
     data = {"machine": machine(), "config": {"pair": pair.name, "policy": pair.policy, "policy_args": pair.policy_args,

@@ -46,6 +46,7 @@ LABELS = {"aiorouter": "aiorouter (delayed)", "eager": "aiorouter eager", "sync"
 PAIRS = ("cpu-tiny", "smollm2")
 CONCURRENCY = (1, 4, 8, 16)
 ROUTER_MODES = {"aiorouter": "delayed", "eager": "eager", "sync": "sync"}
+STD_PAGE_SIZE = 1  # Std. Serving's KV page: token-granular prefix cache (see --std-page-size)
 
 # name, numerator, denominator, workload, N (numerator), N (denominator), target. Main targets on cpu-tiny.
 RATIOS = (
@@ -416,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests-per-client", type=int, default=None, help="closed-loop requests per client (default 1)")
     ap.add_argument("--min-requests", type=int, default=None, help="at least this many requests per run (default 2; quick 1)")
     ap.add_argument("--kv-memory-gb", type=float, default=4.0, help="KV memory of a system, split across its models")
-    ap.add_argument("--std-page-size", type=int, default=1,
+    ap.add_argument("--std-page-size", type=int, default=STD_PAGE_SIZE,
                     help="KV page size of the Std. Serving servers: 1 (default) = token-granular prefix cache, "
                          "like SGLang's radix cache; measured faster for this baseline than 16 (the runtime's)")
     ap.add_argument("--hf-threads", default="auto", help="HF naive intra-op threads: a number or auto (the faster of 1 and cores)")

@@ -44,7 +44,8 @@ def large_share(tau: float, h_small: np.ndarray, h_large: np.ndarray) -> float:
 
 def _checkpoint_id(path: str | Path) -> list:
     """What identifies a checkpoint's weights without reading them: its files' names, sizes, mtimes."""
-    return sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(path).iterdir() if f.is_file())
+    files = [(f.name, f.stat()) for f in Path(path).iterdir() if f.is_file()]
+    return sorted((name, st.st_size, st.st_mtime_ns) for name, st in files)
 
 
 def calibrate(small: str | Path, large: str | Path, prompts: list[list[int]], target: float = 0.35,
