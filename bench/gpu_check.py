@@ -36,7 +36,7 @@ if not torch.cuda.is_available():  # CPU dry run: Triton kernels only under the 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engines import Engine, EngineConfig, ModelConfig, SamplingParams  # noqa: E402
-from engines.attention import _has  # noqa: E402
+from engines.attention import has_module  # noqa: E402
 from engines.cuda_graph import StepGraphs  # noqa: E402
 from engines.model import CausalLM  # noqa: E402
 from engines.runner import ModelRunner  # noqa: E402
@@ -231,7 +231,7 @@ def device_facts(dev: torch.device) -> dict:
         facts.update(device=torch.cuda.get_device_name(dev), cuda=torch.version.cuda,
                      memory_gib=round(torch.cuda.get_device_properties(dev).total_memory / 2**30, 1))
     for mod in ("triton", "flashinfer"):
-        if _has(mod):
+        if has_module(mod):
             try:
                 facts[mod] = __import__(mod).__version__
             except Exception as e:  # noqa: BLE001 (recorded, not fatal)
@@ -295,7 +295,7 @@ def main(argv=None) -> int:
     dev = torch.device("cpu" if dry else "cuda:0")
     shapes = SHAPES["dry" if dry else "full"]
     interp = os.environ.get("TRITON_INTERPRET") == "1"  # on CPU only the interpreter runs Triton kernels
-    backends = ["torch"] + [b for b in ("triton", "flashinfer") if _has(b) and (dev.type == "cuda" or (b == "triton" and interp))]
+    backends = ["torch"] + [b for b in ("triton", "flashinfer") if has_module(b) and (dev.type == "cuda" or (b == "triton" and interp))]
     t_start = time.perf_counter()
     res = {"dry_run": dry, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "facts": device_facts(dev), "sections": {}}
     def best_backend() -> str | None:

@@ -96,13 +96,13 @@ class ModelRunner:
         """Graphs for small steps, captured now. A backend that cannot be captured (flashinfer plans
         into its own buffers) leaves small steps to the Triton backend when triton is installed:
         both read the same pool."""
-        from engines.attention import _has
+        from engines.attention import has_module
         from engines.cuda_graph import DECODE_BUCKETS, StepGraphs
         be = self.backend
         if not be.graph_safe:
-            if not _has("triton"):
+            if not has_module("triton"):
                 return None
-            from engines.triton_backend import TritonBackend
+            from engines.attention.triton_backend import TritonBackend
             be = TritonBackend()
         decode = tuple(b for b in DECODE_BUCKETS if b < self.max_num_seqs) + (self.max_num_seqs,)  # no bigger batch runs
         graphs = StepGraphs(self._forward_one, be, self.page_size, -(-self.max_model_len // self.page_size),

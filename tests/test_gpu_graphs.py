@@ -64,7 +64,7 @@ def test_engine_through_graph_buckets_matches_torch(tiny_qwen3):
     """Every small step goes through StepGraphs (padded to its bucket, plan copied into static
     buffers); greedy tokens equal the torch backend's, eager and unpadded."""
     import triton  # noqa: F401  (the test extra brings it)
-    from engines.triton_backend import TritonBackend
+    from engines.attention.triton_backend import TritonBackend
     prompts = [[5, 6, 7], list(range(2, 40)), [9] * 17]
     cfg = EngineConfig(num_kv_tokens=1024, max_num_batched_tokens=24)  # chunked prefill: mixed small steps
     ref = Engine(tiny_qwen3, config=cfg)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from engines.attention import AttentionBackend, BatchLayout
+from engines.attention.base import AttentionBackend, BatchLayout
 from engines.devices import host_tensor
 from engines.triton_kernels import extend_work, paged_decode, paged_extend, store_kv
 
