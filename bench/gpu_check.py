@@ -39,7 +39,6 @@ from engines import Engine, EngineConfig, ModelConfig, SamplingParams  # noqa: E
 from engines.attention import has_module  # noqa: E402
 from engines.cuda_graph import StepGraphs  # noqa: E402
 from engines.model import CausalLM  # noqa: E402
-from engines.runner import ModelRunner  # noqa: E402
 
 SHAPES = {  # (hidden, layers, heads, kv heads, head dim, vocab)
     "full": {"parity": (256, 4, 4, 2, 64, 4096), "small": (1024, 8, 16, 4, 64, 4096),
@@ -74,13 +73,7 @@ def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, see
 def make_engine(model: CausalLM, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, backend: str | None,
                 graphs: bool, ecfg: EngineConfig) -> Engine:
     """An Engine around an in-memory model (several engines may share one model: weights are read-only)."""
-    eng = Engine.__new__(Engine)
-    eng.path = None
-    ecfg = Engine._fit_config(ecfg, cfg)
-    runner = ModelRunner(model, cfg, ecfg, dtype, device, max_model_len=ecfg.max_model_len, backend_name=backend,
-                         cuda_graphs=graphs)
-    eng._setup(cfg, ecfg, runner, None, device, dtype)
-    return eng
+    return Engine.from_model(model, cfg, device, dtype, ecfg, attention_backend=backend, cuda_graphs=graphs)
 
 
 def greedy(eng: Engine, prompts: list[list[int]], n: int) -> tuple[list[list[int]], torch.Tensor]:
@@ -203,9 +196,8 @@ def router_modes(dev: torch.device, shapes: dict, ns: list[int], tokens: int, pe
     prompts = [[rng.randrange(2, vocab) for _ in range(rng.randrange(80, 120))] for _ in range(64)]
 
     async def run(mode: str, n: int) -> dict:
-        r = Router({"small": "in-memory", "large": "in-memory"}, policy="random", policy_args={"p": 0.35, "seed": 7},
+        r = Router(engines, policy="random", policy_args={"p": 0.35, "seed": 7},  # in-memory engines, reused
                    entry="small", mode=mode, device=str(dev), max_concurrency=max(16, n))
-        r._build_engine = lambda name, spec: engines[name]  # the in-memory engines, reused across runs
         async with r:
             async def send(p):
                 async for ev in r.stream(p, max_tokens=tokens, temperature=0.0, ignore_eos=True):
@@ -213,7 +205,7 @@ def router_modes(dev: torch.device, shapes: dict, ns: list[int], tokens: int, pe
             await closed_loop(send, 1, prompts, 1)  # warm-up
             await r.wait_tuned()
             res = (await closed_loop(send, n, prompts, n * per_client)).summary()
-            res["thresholds"] = dict(zip(r.names, r._thresholds[min(n, r.max_concurrency)]))
+            res["thresholds"] = r.thresholds(n)
             res["mean_batch"] = {k: m.mean_batch_size for k, m in r.metrics.models.items()}
             return res
 

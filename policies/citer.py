@@ -11,17 +11,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 
-from policies.base import STAY, PeerReq, Policy
+from policies.base import SmallLargePolicy
 from policies.networks import CITERRouter, load_router
 
 PAPER_TAU = 0.98
 
 
-class CITERPolicy(Policy):
+class CITERPolicy(SmallLargePolicy):
     name = "citer"
-    num_models = 2
     needs_hidden = True
     route_in_worker = True  # a network forward per step must not stall the other subservers
     per_request = False  # carries a trained network
@@ -40,19 +38,7 @@ class CITERPolicy(Policy):
             raise ValueError(f"citer: tau must be in [0, 1], got {self.tau!r}")
         self.prior_p = float(prior_p)
 
-    def route(self, model, result):
-        if model == 1:
-            return [1] * len(result.reqs)  # one token from the large model, then back
+    def defer(self, result):  # confidence below tau: the large model writes this position
         if result.hidden is None:
             raise ValueError("citer needs the small model's hidden states")
-        conf = self.net.prob(result.hidden)
-        return [1 if u else STAY for u in (conf < self.tau).tolist()]
-
-    def send(self, model, req, target):
-        seen = req.seen[target]
-        commit = [req.sampled] if model == 1 else []  # the small model's unsure token is discarded
-        return PeerReq(req.rid, req.token_ids[seen:] + commit, loc=seen)
-
-    def routing_template(self):
-        p = self.prior_p
-        return np.array([[1 - p, p], [1.0, 0.0]]), np.array([[1.0, 0.0], [1.0, 0.0]])
+        return (self.net.prob(result.hidden) < self.tau).tolist()

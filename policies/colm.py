@@ -15,16 +15,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from policies.base import STAY, PeerReq, Policy
+from policies.base import SmallLargePolicy
 from policies.networks import load_linear_head
 
 
-class CoLLMPolicy(Policy):
+class CoLLMPolicy(SmallLargePolicy):
     name = "colm"
-    num_models = 2
     needs_hidden = True
     route_in_worker = True  # a network forward per step must not stall the other subservers
     per_request = False  # carries a trained network
@@ -34,19 +32,7 @@ class CoLLMPolicy(Policy):
             raise ValueError(f"colm: eta must be in [0, 1], got {eta!r}")
         self.head, self.eta, self.prior_p = load_linear_head(head), float(eta), float(prior_p)
 
-    def route(self, model, result):
-        if model == 1:
-            return [1] * len(result.reqs)  # the large model writes the deferred token and hands back
+    def defer(self, result):  # P(defer) above eta: the large model writes this position
         if result.hidden is None:
             raise ValueError("colm needs the small model's hidden states")
-        defer = self.head.prob(result.hidden, vocab=result.logits.shape[-1]) > self.eta
-        return [1 if d else STAY for d in defer.tolist()]
-
-    def send(self, model, req, target):
-        seen = req.seen[target]
-        commit = [req.sampled] if model == 1 else []
-        return PeerReq(req.rid, req.token_ids[seen:] + commit, loc=seen)
-
-    def routing_template(self):
-        p = self.prior_p
-        return np.array([[1 - p, p], [1.0, 0.0]]), np.array([[1.0, 0.0], [1.0, 0.0]])
+        return (self.head.prob(result.hidden, vocab=result.logits.shape[-1]) > self.eta).tolist()

@@ -34,15 +34,18 @@ class EnsemblePolicy(Policy):
             raise ValueError(f"policy 'ensemble' has {len(self.weights)} weights, one per model, but the router "
                              f"has {len(model_names)} models: {list(model_names)}")
         super().bind(model_names)
+        # per model, the weights in destination order (stay, then its peers): route draws k directly
+        self.dest_weights = [self.weights[[i] + self.peers(i)] for i in range(self.M)]
 
     def _rng(self, req) -> np.random.Generator:
         rng = req.state.get("rng")
-        if rng is None:
-            rng = req.state["rng"] = np.random.default_rng([self.seed, zlib.crc32(req.rid.encode())])
+        if rng is None:  # one stream per (request, model): draws do not depend on batching
+            rng = req.state["rng"] = np.random.default_rng([self.seed, zlib.crc32(req.rid.encode()), req.model])
         return rng
 
-    def route(self, model, result):
-        return [self.to_peer(model, int(self._rng(r).choice(self.M, p=self.weights))) for r in result.reqs]
+    def route(self, result):
+        w = self.dest_weights[result.model]
+        return [int(self._rng(r).choice(len(w), p=w)) for r in result.reqs]
 
     def routing_template(self):
         M = len(self.weights)

@@ -57,7 +57,11 @@ class QueryPolicy(Policy):
             return normalized_entropy(result.logits)
         return 1.0 - torch.softmax(result.logits.float(), dim=-1).max(-1).values
 
-    def route(self, model, result):
+    def route(self, result):
+        # The entry model (0) scores a request once, at its first step; the chosen model k is the
+        # entry model's k-th peer, so the score's rank is the destination. Elsewhere: stay.
+        if result.model != 0:
+            return [0] * len(result.reqs)
         todo = [i for i, r in enumerate(result.reqs) if "query_model" not in r.state]
         if todo:
             idx = torch.tensor(todo)
@@ -65,7 +69,7 @@ class QueryPolicy(Policy):
                                   hidden=result.hidden[idx] if result.hidden is not None else None)
             for i, s in zip(todo, self.scores(sub).tolist()):
                 result.reqs[i].state["query_model"] = sum(s > t for t in self.thresholds)
-        return [self.to_peer(model, r.state["query_model"]) for r in result.reqs]
+        return [r.state["query_model"] for r in result.reqs]
 
     def routing_template(self):
         """Requests do not move after admission: P = I, mixed at rate 1/mean_len (a request ends and

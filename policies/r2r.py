@@ -12,15 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 
-from policies.base import STAY, PeerReq, Policy
+from policies.base import SmallLargePolicy
 from policies.networks import R2RRouter, load_embedding, load_router
 
 
-class R2RPolicy(Policy):
+class R2RPolicy(SmallLargePolicy):
     name = "r2r"
-    num_models = 2
     needs_hidden = True
     route_in_worker = True  # a network forward per step must not stall the other subservers
     per_request = False  # carries a trained network
@@ -42,19 +40,7 @@ class R2RPolicy(Policy):
             raise ValueError(f"r2r: threshold must be in [0, 1], got {self.threshold!r}")
         self.prior_p = float(prior_p)
 
-    def route(self, model, result):
-        if model == 1:
-            return [1] * len(result.reqs)  # the large model writes one token and hands back
+    def defer(self, result):  # the router flags a divergent token: the large model writes it
         if result.hidden is None:
             raise ValueError("r2r needs the small model's hidden states")
-        p = self.net.prob(result.hidden, result.tokens, result.logits)
-        return [1 if d else STAY for d in (p >= self.threshold).tolist()]
-
-    def send(self, model, req, target):
-        seen = req.seen[target]
-        commit = [req.sampled] if model == 1 else []  # large: commit its token; small: discard its own
-        return PeerReq(req.rid, req.token_ids[seen:] + commit, loc=seen)
-
-    def routing_template(self):
-        p = self.prior_p
-        return np.array([[1 - p, p], [1.0, 0.0]]), np.array([[1.0, 0.0], [1.0, 0.0]])
+        return (self.net.prob(result.hidden, result.tokens, result.logits) >= self.threshold).tolist()

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import make_tiny_qwen3
 from engines import Engine, SamplingParams
-from policies import ReqView, RouteInput
+from policies import ReqView, StepResult
 from policies.citer import CITERPolicy
 from policies.networks import CITERRouter, R2RRouter, load_embedding, save_router
 from policies.r2r import R2RPolicy
@@ -44,7 +44,7 @@ def models(tmp_path_factory):
 
 
 def small_steps(small, n_prompts=8, n_steps=6):
-    """RouteInputs as the runtime builds them: one per decoding step of the small model."""
+    """StepResults as the runtime builds them: one per decoding step of the small model."""
     eng = Engine.from_pretrained(small, num_kv_tokens=4096)
     rng = random.Random(5)
     seqs = [eng.add_request([rng.randrange(2, 512) for _ in range(rng.randrange(3, 20))],
@@ -53,9 +53,9 @@ def small_steps(small, n_prompts=8, n_steps=6):
     steps = []
     while any(not s.is_finished for s in seqs):
         out = eng.forward(want_hidden=True)
-        views = [ReqView(str(s.seq_id), list(s.token_ids), s.num_prompt_tokens, t, (len(s.token_ids), 0), (), {})
+        views = [ReqView(str(s.seq_id), 0, list(s.token_ids), s.num_prompt_tokens, t, (len(s.token_ids), 0), (), {})
                  for s, t in zip(out.seqs, out.next_tokens)]
-        steps.append(RouteInput(out.logits, torch.tensor(out.next_tokens), out.hidden, views))
+        steps.append(StepResult(0, out.logits, torch.tensor(out.next_tokens), out.hidden, views))
         for s, t in zip(out.seqs, out.next_tokens):
             eng.append_token(s, t)
     return steps
@@ -63,7 +63,7 @@ def small_steps(small, n_prompts=8, n_steps=6):
 
 def decisions(policy, steps):
     policy.bind(["small", "large"])
-    return [d for st in steps for d in policy.route(0, st)]
+    return [d for st in steps for d in policy.route(st)]
 
 
 @pytest.fixture(scope="module")
