@@ -21,6 +21,7 @@ from engines import Engine, EngineConfig, SamplingParams
 from engines.detokenizer import IncrementalDetokenizer
 from engines.devices import parse_devices
 from engines.stop import check_stop
+from engines.streams import StreamFactory
 from policies import Policy, make_policy
 
 log = logging.getLogger("aiorouter")
@@ -70,6 +71,7 @@ class Router:
         self._started = False
         self._holds_heap = False
         self._core_share: CoreShare | None = None
+        self.streams = StreamFactory()  # every model's CUDA streams are its own (engines/streams.py)
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> "Router":
@@ -121,7 +123,7 @@ class Router:
         if spec.engine == "sim":
             from engines.sim import SimEngine
             return SimEngine(spec.latency_ms / 1000, spec.latency_slope_ms / 1000, spec.vocab_size, ecfg, spec.token_seed)
-        return Engine(spec.path, device=spec.device or self.device, dtype=spec.dtype, config=ecfg)
+        return Engine(spec.path, device=spec.device or self.device, dtype=spec.dtype, config=ecfg, streams=self.streams)
 
     def _kv_tokens(self, spec: ModelSpec, share: float, ecfg: EngineConfig) -> int:
         if spec.engine == "sim":

@@ -92,18 +92,24 @@ class _Graph(NamedTuple):
 
 class StepGraphs:
     """Captured forwards for a model's small steps. `forward(ids, positions, meta, backend)` is the
-    model's eager forward; `backend` must be graph_safe. On a CPU device nothing is captured: a
-    "graph" re-runs the forward on the same static buffers, which tests everything around the
-    capture (buckets, padding, metadata copies) without CUDA."""
+    model's eager forward; `backend` must be graph_safe. Every graph is captured on `stream`, the
+    owning runner's own stream (engines/streams.py): a pooled capture stream could be another
+    model's runner stream, and graphs captured on one stream share its cuBLAS workspace, so two
+    models replaying at once would race on it. On a CPU device nothing is captured (`stream` is
+    None there): a "graph" re-runs the forward on the same static buffers, which tests everything
+    around the capture (buckets, padding, metadata copies) without CUDA."""
 
     def __init__(self, forward: ForwardFn, backend: AttentionBackend, page_size: int, max_pages: int,
-                 device: torch.device, decode_buckets: tuple[int, ...] = DECODE_BUCKETS,
-                 seq_buckets: tuple[int, ...] = EXTEND_SEQ_BUCKETS,
+                 device: torch.device, stream: "torch.cuda.Stream | None",
+                 decode_buckets: tuple[int, ...] = DECODE_BUCKETS, seq_buckets: tuple[int, ...] = EXTEND_SEQ_BUCKETS,
                  token_buckets: tuple[int, ...] = EXTEND_TOKEN_BUCKETS):
         if not backend.graph_safe:
             raise ValueError(f"{type(backend).__name__} cannot be captured in a CUDA graph")
-        self.forward, self.backend, self.page_size, self.max_pages = forward, backend, page_size, max_pages
         self.device = torch.device(device)
+        if self.device.type == "cuda" and stream is None:
+            raise ValueError("CUDA graphs need the owning runner's stream to capture on")
+        self.forward, self.backend, self.page_size, self.max_pages = forward, backend, page_size, max_pages
+        self.stream = stream
         self.buckets = (decode_buckets, seq_buckets, token_buckets)
         self.graphs: dict[GraphKey, _Graph] = {}
         self.pool = None  # one memory pool for every graph: they never run at once
@@ -136,14 +142,13 @@ class StepGraphs:
             if self.device.type != "cuda":
                 self.graphs[key] = _Graph(functools.partial(self.forward, ids, pos, meta, self.backend), ids, pos, meta)
                 continue
-            s = torch.cuda.Stream(self.device)
+            s = self.stream
             s.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(s):  # warm-up off the capture: Triton compiles here, not inside it
                 self.forward(ids, pos, meta, self.backend)
-            torch.cuda.current_stream(self.device).wait_stream(s)
             g = torch.cuda.CUDAGraph()
-            # thread_local: other models' workers keep launching while this thread captures
-            # its own capture stream: torch's shared default one lives on whichever device came first
+            # thread_local: other models' workers keep launching while this thread captures.
+            # Always the same stream: torch shares a pool's memory between captures on one stream.
             with torch.cuda.graph(g, pool=self.pool, stream=s, capture_error_mode="thread_local"):
                 hidden = self.forward(ids, pos, meta, self.backend)
             if self.pool is None:

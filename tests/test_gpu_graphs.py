@@ -4,12 +4,14 @@ captured buffers, and whole-engine greedy parity with StepGraphs' CPU stand-in f
 replay on a real GPU are the `gpu`-marked tests at the end and bench/gpu_check.py."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from engines import Engine, EngineConfig
 from engines.attention import BatchLayout
-from engines.cuda_graph import GraphKey, StepGraphs, bucket, copy_meta, graph_key, pad_step
+from engines.cuda_graph import GraphKey, bucket, copy_meta, graph_key, pad_step
 
 
 def _layout(q_lens, kv_lens, nd, ps=4, width=3):
@@ -71,10 +73,8 @@ def test_engine_through_graph_buckets_matches_torch(tiny_qwen3):
     want = [o.token_ids for o in ref.generate(prompts, max_tokens=10, temperature=0.0, ignore_eos=True)]
     eng = Engine(tiny_qwen3, config=cfg)
     r = eng.runner
-    be = TritonBackend(block_m=16, block_n=16)
-    r.graphs = StepGraphs(r._forward_one, be, r.page_size, -(-r.max_model_len // r.page_size), r.device,
-                          decode_buckets=(1, 2, 4), seq_buckets=(1, 2, 4), token_buckets=(8, 16, 32))
-    r.graphs.capture()
+    r.capture_graphs(TritonBackend(block_m=16, block_n=16), decode_buckets=(1, 2, 4), seq_buckets=(1, 2, 4),
+                     token_buckets=(8, 16, 32))
     got = [o.token_ids for o in eng.generate(prompts, max_tokens=10, temperature=0.0, ignore_eos=True)]
     assert got == want
     assert r.graphs.num_replays >= 10  # decodes at bucket 4 and the small prefill chunks
@@ -89,9 +89,9 @@ def test_engine_through_graph_buckets_matches_torch(tiny_qwen3):
 def test_cuda_graphs_match_eager_on_gpu(tiny_qwen3, backend):
     import triton  # noqa: F401
     prompts = [[5, 6, 7], list(range(2, 40)), [9] * 17]
-    cfg = EngineConfig(num_kv_tokens=1024, max_num_batched_tokens=24)
-    eager = Engine(tiny_qwen3, device="cuda", config=cfg, attention_backend=backend, cuda_graphs=False)
+    cfg = EngineConfig(num_kv_tokens=1024, max_num_batched_tokens=24, attention_backend=backend)
+    eager = Engine(tiny_qwen3, device="cuda", config=replace(cfg, cuda_graphs=False))
     want = [o.token_ids for o in eager.generate(prompts, max_tokens=16, temperature=0.0, ignore_eos=True)]
-    graphed = Engine(tiny_qwen3, device="cuda", config=cfg, attention_backend=backend)
+    graphed = Engine(tiny_qwen3, device="cuda", config=cfg)
     got = [o.token_ids for o in graphed.generate(prompts, max_tokens=16, temperature=0.0, ignore_eos=True)]
     assert got == want and graphed.runner.graphs.num_replays > 0
