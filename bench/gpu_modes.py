@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import Counter
 
 from bench.gpu_models import QWEN3_0_6B, QWEN3_32B, Run, free_cuda, model_dir, scaled
 
@@ -54,13 +55,21 @@ async def router_run(ctx, mode: str, graphs: bool, small, large, ns: list[int], 
             if not may_continue(n):
                 out[f"N={n}"] = {"skipped": "section time box"}
                 continue
+            before = {k: Counter(m.batch_sizes) for k, m in r.metrics.models.items()}
             res = (await closed_loop(send, n, prompts, n * per_client)).summary()
-            res["mean_batch"] = {k: m.mean_batch_size for k, m in r.metrics.models.items()}
+            res["mean_batch"] = {k: _mean_batch(m.batch_sizes - before[k]) for k, m in r.metrics.models.items()}
             out[f"N={n}"] = res
+            out.setdefault("to_main_s", time.perf_counter() - t0)  # start-up and the first N: a rung's cost
             ctx.put("partial", {mode: out})
         t3 = time.perf_counter()
     out["close_s"], out["wall_s"] = time.perf_counter() - t3, time.perf_counter() - t0
     return out
+
+
+def _mean_batch(sizes: Counter) -> float | None:
+    """Mean batch size of the steps counted in `sizes` (batch size -> steps)."""
+    steps = sum(sizes.values())
+    return sum(b * c for b, c in sizes.items()) / steps if steps else None
 
 
 def modes(ctx) -> None:
@@ -73,23 +82,24 @@ def modes(ctx) -> None:
     ctx.put("workload", {"policy": "random p=0.35", "tokens_per_request": tokens, "requests_per_client": per_client,
                          "prompt_tokens": "80-119 random ids"})
     rungs = ctx.body.setdefault("rungs", {})
-    cost = None  # seconds one rung took to build and run N = main: what each rung still to come needs
+    cost = None  # seconds the first rung took to start and run N = main: what a rung needs
     for i, (name, mode, graphs) in enumerate(RUNGS):
         if name == "+graphs" and not ctx.graphs:
             rungs[name] = {"skipped": "CUDA graphs are off (they capture with Triton, which failed)"}
             continue
         graphs = graphs and ctx.graphs  # the fallback: the later rungs without graphs
-        need = (len(RUNGS) - i) * (cost or 0)
-        if ctx.left() < need * 0.8:
+        if ctx.left() < 0.8 * (cost or 0):
             rungs[name] = {"skipped": "section time box"}
             continue
-        t0 = time.perf_counter()
-        later = len(RUNGS) - i - 1
+        t0, later = time.perf_counter(), len(RUNGS) - i - 1
 
-        def room(n, t0=t0, later=later):
-            return n == main or ctx.left() > later * (cost or 0) + 0.5 * (time.perf_counter() - t0)
+        def room(n, t0=t0, later=later, cost=cost):
+            """N = main always; another N while the rungs to come keep a rung's time each (the first
+            rung's own time so far, its build and N = main, before any rung has finished)."""
+            per_rung = cost or time.perf_counter() - t0
+            return n == main or ctx.left() > later * per_rung + 0.25 * per_rung
         res = asyncio.run(router_run(ctx, mode, graphs, small, large, [main] + extra, tokens, per_client, room))
-        cost = cost or time.perf_counter() - t0
+        cost = cost or res.get("to_main_s")
         res["mode"], res["graphs"] = mode, graphs
         res["memory_after_free"] = free_cuda()
         rungs[name] = res

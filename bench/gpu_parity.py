@@ -63,8 +63,10 @@ def probe(ctx) -> None:
     be = TritonBackend(block_n=ctx.block_n)
     gen = torch.Generator().manual_seed(0)
     cases, ok = {}, True
-    for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)):
-        for h, hkv in heads:
+    # every GQA shape in bf16 (what the speed sections run); fp32 (parity's exact check) at one:
+    # each (dtype, GQA) is a compile of three kernels, ~1-2 s each on the device
+    for dtype, tol, shapes in ((torch.bfloat16, 2e-2, heads), (torch.float32, 1e-4, heads[1:2])):
+        for h, hkv in shapes:
             layout, (q, k, v, kc, vc) = _paged_step(gen, h, hkv, d, 16, dtype, dev)
             up = [t.float() for t in (q, k, v, kc, vc)]
             ref = TorchBackend().forward(*up, TorchBackend().plan(layout))

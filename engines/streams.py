@@ -56,10 +56,13 @@ def _create_non_blocking() -> tuple[int | None, str]:
         from cuda.bindings import driver
     except ImportError:
         return None, "cuda-python not installed"
-    err, stream = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING.value)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return None, f"cuStreamCreate failed: {err!r}"
-    return int(stream), "cuStreamCreate(CU_STREAM_NON_BLOCKING)"
+    try:  # (bindings of another version may differ: any failure leaves the blocking stream)
+        err, stream = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING.value)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return None, f"cuStreamCreate failed: {err!r}"
+        return int(stream), "cuStreamCreate(CU_STREAM_NON_BLOCKING)"
+    except Exception as e:  # noqa: BLE001
+        return None, f"cuda-python: {e!r}"
 
 
 def _create_blocking() -> tuple[int, str]:
