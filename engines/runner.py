@@ -139,7 +139,8 @@ class ModelRunner:
         return stack
 
     def layout(self, batch: list[ScheduledSeq]) -> tuple[BatchLayout, torch.Tensor, torch.Tensor]:
-        """-> (layout, input_ids [T], positions [T]). `batch` must list decodes first."""
+        """-> (layout, input_ids [T], positions [T]), on the host (pinned on CUDA): a graph replay
+        stages them into its own buffers, an eager step copies them up. `batch` lists decodes first."""
         ps = self.page_size
         ids: list[int] = []
         pos: list[int] = []
@@ -155,31 +156,31 @@ class ModelRunner:
             slots.extend(bt[t // ps] * ps + t % ps for t in range(c, c + n))
             q_lens.append(n)
             kv_lens.append(c + n)
-        max_pages = max(len(s.block_table) for s, _ in batch)
-        bt = torch.zeros(len(batch), max_pages, dtype=torch.int64)
-        for i, (seq, _) in enumerate(batch):
-            bt[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
-        dev, i64 = self.device, torch.int64
-        if self.cuda:  # pinned, non-blocking: a pageable copy would wait for the stream
-            bt = bt.pin_memory()
-        layout = BatchLayout(num_decodes, q_lens, kv_lens, host_tensor(slots, i64, dev), bt.to(dev, non_blocking=True), ps,
-                             [seq.block_table for seq, _ in batch])
-        return layout, host_tensor(ids, i64, dev), host_tensor(pos, i64, dev)
+        tables = [seq.block_table for seq, _ in batch]
+        width = max(len(t) for t in tables)
+        bt = self._host([t + [0] * (width - len(t)) for t in tables])  # [B, width]
+        return BatchLayout(num_decodes, q_lens, kv_lens, self._host(slots), bt, ps, tables), self._host(ids), self._host(pos)
+
+    def _host(self, values: list) -> torch.Tensor:
+        """int64 on the host, pinned on CUDA: a copy from pageable memory would wait for the stream."""
+        return torch.tensor(values, dtype=torch.int64, pin_memory=self.cuda)
 
     def forward(self, layout: BatchLayout, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """-> hidden [T, hidden] on the last device: a graph replay when one fits, else eager."""
+        """Host layout -> hidden [T, hidden] on the last device: a graph replay when one fits, else eager."""
         if len(self.stages) == 1:
             key = self.graphs.key_for(layout) if self.graphs is not None else None
             if key is not None:
                 return self.graphs.run(key, layout, input_ids, positions)
-            return self._forward_one(input_ids, positions, self.backend.plan(layout))
+            dev = self.device
+            layout = layout._replace(slot_mapping=up(layout.slot_mapping, dev), block_tables=up(layout.block_tables, dev))
+            return self._forward_one(up(input_ids, dev), up(positions, dev), self.backend.plan(layout))
         ctxs = []
         for st in self.stages:  # the step's metadata on every device of the group
-            lay = layout._replace(slot_mapping=layout.slot_mapping.to(st.device, non_blocking=True),
-                                  block_tables=layout.block_tables.to(st.device, non_blocking=True))
-            pos = positions.to(st.device, non_blocking=True)
+            lay = layout._replace(slot_mapping=up(layout.slot_mapping, st.device),
+                                  block_tables=up(layout.block_tables, st.device))
+            pos = up(positions, st.device)
             ctxs.append((st.layers, AttnContext(st.backend, st.backend.plan(lay), st.kv, st.cos[pos], st.sin[pos])))
-        return self.model.forward_stages(input_ids, ctxs)
+        return self.model.forward_stages(up(input_ids, self.device), ctxs)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], want_hidden: bool = False) -> ForwardOutput:
@@ -218,3 +219,8 @@ class ModelRunner:
 def _with_layers(cfg: ModelConfig, n: int) -> ModelConfig:
     from dataclasses import replace
     return replace(cfg, num_hidden_layers=n)
+
+
+def up(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor (pinned on CUDA) on `device`, without a stream sync; itself on the CPU."""
+    return t.to(device, non_blocking=True)

@@ -11,7 +11,7 @@ import torch
 
 from engines import Engine, EngineConfig
 from engines.attention import BatchLayout
-from engines.cuda_graph import GraphKey, bucket, copy_meta, graph_key, pad_step
+from engines.cuda_graph import GraphKey, StaticInputs, bucket, graph_key, pad_step
 
 
 def _layout(q_lens, kv_lens, nd, ps=4, width=3):
@@ -46,19 +46,30 @@ def test_pad_step_keeps_real_rows_and_pads_inert():
     assert p.slot_mapping.tolist() == [100, 101, -1, -1]
 
 
-def test_copy_meta_refuses_shape_or_int_mismatch():
+def test_static_inputs_stage_a_step_into_aligned_views():
+    """Ids, positions and the plan live in one buffer per dtype, each field 16-byte aligned; a step's
+    host values land in them; a shape or int that differs from the capture is refused."""
     from typing import NamedTuple
 
     class M(NamedTuple):
-        a: torch.Tensor
+        a: torch.Tensor  # int32
+        slots: torch.Tensor  # int64
         n: int
-    static = M(torch.zeros(3), 2)
-    copy_meta(static, M(torch.ones(3), 2))
-    assert static.a.tolist() == [1, 1, 1]
-    with pytest.raises(ValueError, match="captured"):
-        copy_meta(static, M(torch.ones(4), 2))
-    with pytest.raises(ValueError, match="captured 2"):
-        copy_meta(static, M(torch.ones(3), 3))
+    i32, i64 = torch.int32, torch.int64
+    x = StaticInputs(M(torch.arange(3, dtype=i32), torch.arange(5, dtype=i64), 2), torch.arange(7), torch.arange(7),
+                     torch.device("cpu"))
+    assert set(x.buffers) == {i32, i64} and x.meta.n == 2
+    for t in (x.input_ids, x.positions, x.meta.a, x.meta.slots):  # views of the buffers, aligned
+        assert t.untyped_storage().data_ptr() == x.buffers[t.dtype].untyped_storage().data_ptr()
+        assert t.data_ptr() % 16 == 0
+    x.load(M(torch.tensor([7, 8, 9], dtype=i32), torch.full((5,), -1), 2), torch.arange(7) + 10, torch.arange(7) * 2)
+    assert x.meta.a.tolist() == [7, 8, 9] and x.meta.slots.tolist() == [-1] * 5
+    assert x.input_ids.tolist() == list(range(10, 17)) and x.positions.tolist() == list(range(0, 14, 2))
+    with pytest.raises(ValueError, match="graph buffer a: captured"):
+        x.load(M(torch.ones(4, dtype=i32), torch.ones(5, dtype=i64), 2), torch.arange(7), torch.arange(7))
+    with pytest.raises(ValueError, match="graph field n: captured 2, step has 3"):
+        x.load(M(torch.ones(3, dtype=i32), torch.ones(5, dtype=i64), 3), torch.arange(7), torch.arange(7))
+    assert x.meta.a.tolist() == [7, 8, 9]  # a refused step wrote nothing
 
 
 @pytest.mark.triton_interp
