@@ -57,7 +57,9 @@ async def router_run(ctx, mode: str, graphs: bool, small, large, ns: list[int], 
                 continue
             before = {k: Counter(m.batch_sizes) for k, m in r.metrics.models.items()}
             res = (await closed_loop(send, n, prompts, n * per_client)).summary()
-            res["mean_batch"] = {k: _mean_batch(m.batch_sizes - before[k]) for k, m in r.metrics.models.items()}
+            steps = {k: m.batch_sizes - before[k] for k, m in r.metrics.models.items()}
+            res["mean_batch"] = {k: _mean_batch(c) for k, c in steps.items()}
+            res["steps"] = {k: sum(c.values()) for k, c in steps.items()}
             out[f"N={n}"] = res
             out.setdefault("to_main_s", time.perf_counter() - t0)  # start-up and the first N: a rung's cost
             ctx.put("partial", {mode: out})

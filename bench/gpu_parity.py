@@ -26,6 +26,13 @@ from engines.profile import runner_info
 PROBE_HEADS = [(16, 8), (32, 8), (64, 8)]  # GQA 2, 4, 8: Qwen3-0.6B/1.7B, 8B, 32B
 
 
+def exact_sdpa():
+    """SDPA's math backend: plain fp32 matmuls (TF32 is off by default), where the fused kernels
+    may compute fp32 through TF32 tensor cores: the reference must be the exact one."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.MATH])
+
+
 def _paged_step(gen: torch.Generator, h: int, hkv: int, d: int, ps: int, dtype: torch.dtype, dev: torch.device):
     """Three decodes, an extend over a cached prefix and a fresh prefill, over a shuffled pool."""
     from engines.attention import BatchLayout
@@ -52,9 +59,10 @@ def probe(ctx) -> None:
     at the real head shapes; then one Triton launch captured in a CUDA graph and replayed on new
     inputs. `ctx.block_n` other than a power of two makes Triton refuse to compile (the simulated
     failure: a real Triton error, through the backend's own option)."""
-    from engines.attention import TorchBackend
-    from engines.triton_backend import TritonBackend
     import triton
+
+    from engines.attention import select_backend
+    from engines.triton_backend import TritonBackend  # its block size is the simulated failure's knob
     dev, d = ctx.device, (32 if ctx.dry else 128)
     ctx.put("facts", {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                       "capability": torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None,
@@ -69,11 +77,13 @@ def probe(ctx) -> None:
         for h, hkv in shapes:
             layout, (q, k, v, kc, vc) = _paged_step(gen, h, hkv, d, 16, dtype, dev)
             up = [t.float() for t in (q, k, v, kc, vc)]
-            ref = TorchBackend().forward(*up, TorchBackend().plan(layout))
+            torch_be = select_backend(dev, "torch")
+            with exact_sdpa():
+                ref = torch_be.forward(*up, torch_be.plan(layout))
             got = be.forward(q, k, v, kc, vc, be.plan(layout))
             rel = ((got.float() - ref).norm() / ref.norm()).item()
             stored = torch.equal(kc.float(), up[3]) and torch.equal(vc.float(), up[4])
-            mine = TorchBackend().forward(q, k, v, kc.clone(), vc.clone(), TorchBackend().plan(layout))
+            mine = torch_be.forward(q, k, v, kc.clone(), vc.clone(), torch_be.plan(layout))
             cases[f"{str(dtype)[6:]}/h{h}kv{hkv}d{d}"] = {
                 "rel_err": rel, "torch_same_dtype_rel_err": ((mine.float() - ref).norm() / ref.norm()).item(),
                 "kv_stored": stored, "ok": rel <= tol and stored}
@@ -155,7 +165,8 @@ def parity(ctx) -> None:
     ctx.put("model", shape.describe())
     f32, bf16 = torch.float32, torch.bfloat16
     ref_run = Run(ctx.device, f32, "torch", False)
-    ref_t, ref_l = _generate(ref_run.engine(ctx.root, shape, ctx.streams, **fields), prompts, n)
+    with exact_sdpa():
+        ref_t, ref_l = _generate(ref_run.engine(ctx.root, shape, ctx.streams, **fields), prompts, n)
     cands = [("torch", False, bf16)]
     if ctx.attention != "torch":
         ctx.triton_used()

@@ -136,11 +136,13 @@ def _decode(b: dict) -> list[str]:
 def _host(b: dict) -> list[str]:
     out = []
     if "engine_alone" in b:
-        out += _table(["engine alone", "ms per token", "step ms"],
-                      [[k, v["ms_per_token"], v["step_ms"]] for k, v in b["engine_alone"].items()])
+        out += _table(["engine alone", "step ms", "ms per token"],
+                      [[k, v["step_ms"], v["ms_per_token"]] for k, v in b["engine_alone"].items()])
     if "router_eager" in b:
-        out += _table(["router (eager, random p=0.35)", "ms per committed token", "tok/s"],
-                      [[k, v.get("ms_per_token"), v.get("tok_s")] for k, v in b["router_eager"].items() if k.startswith("N=")])
+        out += _table(["router (eager, random p=0.35)", "ms per committed token", "tok/s", "steps (small, large)",
+                       "their time alone, per token", "runtime overhead per token"],
+                      [[k, v.get("ms_per_token"), v.get("tok_s"), v.get("steps"), v.get("engine_ms_per_token"),
+                        v.get("overhead_ms_per_token")] for k, v in b["router_eager"].items() if k.startswith("N=")])
     return out
 
 

@@ -163,27 +163,35 @@ def _intersect(x: list, y: list) -> list:
 
 def host(ctx) -> None:
     """The runtime's own time per committed token, with models whose steps cost the GPU almost
-    nothing (2 and 4 layers, hidden 256): the engine stepping alone, then the Router (random
-    p = 0.35, eager) around two of them, closed-loop at N = 1 and 16. Router minus engine is what
-    routing, subservers, queues and the event loop add per token."""
+    nothing (2 and 4 layers, hidden 256): each engine stepping alone at batch 1 and 16, then the
+    Router (random p = 0.35, eager) around the two, closed-loop at N = 1 and 16. At N = 1 every
+    step has batch 1, so overhead = router time per token - the steps it took x their time alone:
+    what routing, subservers, queues and the event loop add per token."""
     from bench.gpu_modes import router_run
     small, large = scaled(HOST_SMALL, ctx.dry), scaled(HOST_LARGE, ctx.dry)
     k = 4 if ctx.dry else 200
-    eng = Run(ctx.device, ctx.dtype, ctx.attention, ctx.graphs).engine(
-        ctx.root, small, ctx.streams, num_kv_tokens=16 * (64 + k + 16) + 256, max_num_seqs=16, max_model_len=1024)
     alone = {}
-    for b in (1, 16):
-        _start(eng, b, 64, k + 8, small.vocab, seed=b)
-        dt = _steps(eng, k)
-        alone[f"batch={b}"] = {"ms_per_token": 1e3 * dt / (b * k), "step_ms": 1e3 * dt / k}
-        _drain(eng)
-        ctx.put("engine_alone", alone)
-    ctx.put("engine", runner_info(eng))
-    del eng
-    free_cuda()
+    for shape in (small, large):
+        eng = Run(ctx.device, ctx.dtype, ctx.attention, ctx.graphs).engine(
+            ctx.root, shape, ctx.streams, num_kv_tokens=16 * (64 + k + 16) + 256, max_num_seqs=16, max_model_len=1024)
+        for b in (1, 16):
+            _start(eng, b, 64, k + 8, shape.vocab, seed=b)
+            dt = _steps(eng, k)
+            alone[f"{shape.name}/batch={b}"] = {"step_ms": 1e3 * dt / k, "ms_per_token": 1e3 * dt / (b * k)}
+            _drain(eng)
+            ctx.put("engine_alone", alone)
+        ctx.put(f"engine/{shape.name}", runner_info(eng))
+        del eng
+        free_cuda()
     ns, tokens = ([1, 2], 8) if ctx.dry else ([1, 16], 64)
     res = asyncio.run(router_run(ctx, "eager", ctx.graphs, small, large, ns, tokens, per_client=4 if not ctx.dry else 1))
     for n, r in res.items():
         if isinstance(r, dict) and r.get("tok_s"):
             r["ms_per_token"] = 1e3 / r["tok_s"]
+    one = res.get("N=1", {})
+    if one.get("tokens") and one.get("steps"):
+        gpu_ms = sum(one["steps"][name] * alone[f"{shape.name}/batch=1"]["step_ms"]
+                     for name, shape in (("small", small), ("large", large)))
+        one["engine_ms_per_token"] = gpu_ms / one["tokens"]
+        one["overhead_ms_per_token"] = one["ms_per_token"] - one["engine_ms_per_token"]
     ctx.put("router_eager", res)

@@ -46,7 +46,9 @@ def test_dry_run_writes_to_out_and_falls_back_when_triton_fails(tmp_path):
     assert sec["overlap"]["steps"]["together_wall_s"] > 0
     assert all(r["results"]["batch=2"]["tok_s"] > 0 for m in sec["decode"]["models"].values()
                for r in (m["graphs=False"],))
-    assert sec["host"]["router_eager"]["N=1"]["ms_per_token"] > 0
+    one = sec["host"]["router_eager"]["N=1"]
+    assert one["ms_per_token"] > 0 and one["steps"]["small"] > 0
+    assert one["overhead_ms_per_token"] == one["ms_per_token"] - one["engine_ms_per_token"]
     md = (tmp_path / "out" / "gpu_check.md").read_text()
     assert "DRY RUN" in md and "Fallback: section parity failed with Triton" in md
 
