@@ -14,9 +14,9 @@ BUDGET=${GPU_RUN_BUDGET_S:-470}
 TESTS_S=75  # kept for the gpu-marked tests (Triton compiles for ~20 kernel variants there)
 export OUT=${OUT:-bench/results/gpu_check} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-exec > >(tee "$OUT/gpu_run.log") 2>&1
 left() { echo $((BUDGET - (SECONDS - T0))); }
 
+main() {
 echo "== machine"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,temperature.gpu,clocks.sm,clocks.max.sm \
   --format=csv || echo "nvidia-smi failed"
@@ -72,3 +72,7 @@ for rung, r in res["sections"].get("modes", {}).get("rungs", {}).items():
     print(f"  {rung:9s}", {k: round(v["tok_s"], 1) for k, v in r.items() if k.startswith("N=") and "tok_s" in v})
 EOF
 ls -l "$OUT"
+}
+
+# a pipeline, not `exec > >(tee ...)`: the script then ends only after tee has written the log
+main 2>&1 | tee "$OUT/gpu_run.log"
