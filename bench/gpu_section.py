@@ -65,7 +65,7 @@ def run_section(args) -> int:
             sec.triton_used()  # parity calls it itself (its torch-backend references come first)
         funcs[args.section](sec)
         sec.body["status"] = "ok"
-    except BaseException as e:  # noqa: BLE001: recorded; the parent decides on a fallback
+    except BaseException as e:  # noqa: BLE001 (recorded; the parent decides on a fallback)
         sec.body.update(status="error", error=repr(e), traceback=traceback.format_exc()[-4000:])
     finally:
         sec.body["streams"] = [r._asdict() for r in sec.streams.records()]
