@@ -24,6 +24,7 @@ from aiorouter.requests import RequestTable
 from aiorouter.spec import ModelSpec
 from aiorouter.subserver import Subserver
 from engines import Engine, SamplingParams
+from engines.streams import StreamFactory
 from policies import Policy, make_policy
 
 log = logging.getLogger("aiorouter")
@@ -66,13 +67,15 @@ class Router:
         self._eos_ids: tuple[int, ...] = ()
         self._holds_heap = False
         self._core_share: CoreShare | None = None
+        self.streams = StreamFactory()  # every model's CUDA streams are its own (engines/streams.py)
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> "Router":
         if self._tasks:
             return self
         engines = [s if isinstance(s, Engine) else await asyncio.to_thread(s.build, self.device, self.kv_memory_gb,
-                                                                           len(self.specs)) for s in self.specs]
+                                                                           len(self.specs), self.streams)
+                   for s in self.specs]
         vocab = {n: e.model_config.vocab_size for n, e in zip(self.names, engines)}
         if len(set(vocab.values())) > 1:
             raise ValueError(f"all models must share one vocabulary; vocab sizes differ: {vocab}")

@@ -16,6 +16,7 @@ from engines.runner import ForwardOutput, ModelRunner, ScheduledSeq
 from engines.sampling import SamplingParams
 from engines.scheduler import Scheduler
 from engines.sequence import Sequence
+from engines.streams import StreamFactory
 from engines.weights import load_model
 
 log = logging.getLogger("aiorouter.engine")
@@ -61,9 +62,11 @@ class EngineStats:
 class Engine:
     def __init__(self, model_path: str | Path, device: str | torch.device = "cpu",
                  dtype: str | torch.dtype = "float32", config: EngineConfig | None = None,
-                 load_tokenizer: bool = True, attention_backend: str | None = None, cuda_graphs: bool = True):
+                 load_tokenizer: bool = True, streams: StreamFactory | None = None):
         """`device`: "cpu", "cuda:0", or a group "cuda:0,1" (layers split across it, in order).
-        `attention_backend`: "torch" | "cpu" | "triton" | "flashinfer"; None picks by device."""
+        The attention backend, CUDA graphs and random weights are `config`'s (EngineConfig).
+        `streams`: the factory of the CUDA streams of every model in this process (a router
+        passes its own; engines/streams.py); None: the runner makes one of its own."""
         self.path = Path(model_path)
         model_config = ModelConfig.from_dir(self.path)
         devices, dtype = parse_devices(device), parse_dtype(dtype)
@@ -71,9 +74,10 @@ class Engine:
         ecfg = self._fit_config(config or EngineConfig(), model_config)
         tokenizer = self._load_tokenizer() if load_tokenizer else None
         # a group loads on the host and the runner places each stage's layers on its device
-        model = load_model(self.path, model_config, dtype, device if len(devices) == 1 else torch.device("cpu"))
+        model = load_model(self.path, model_config, dtype, device if len(devices) == 1 else torch.device("cpu"),
+                           ecfg.load_format)
         runner = ModelRunner(model, model_config, ecfg, dtype, device, max_model_len=ecfg.max_model_len,
-                             devices=devices, backend_name=attention_backend, cuda_graphs=cuda_graphs)
+                             devices=devices, streams=streams)
         self._setup(model_config, ecfg, runner, tokenizer, devices, dtype)
         log.info("loaded %s (%s, %s): %d KV pages of %d tokens, max_model_len %d", self.path.name, ",".join(map(str, devices)),
                  str(dtype).removeprefix("torch."), ecfg.num_pages, ecfg.page_size, ecfg.max_model_len)
@@ -103,7 +107,7 @@ class Engine:
     @classmethod
     def from_model(cls, model, model_config: ModelConfig, device: str | torch.device = "cpu",
                    dtype: str | torch.dtype = "float32", config: EngineConfig | None = None, tokenizer=None,
-                   attention_backend: str | None = None, cuda_graphs: bool = True) -> "Engine":
+                   streams: StreamFactory | None = None) -> "Engine":
         """An engine around a model already in memory (`engines.model.CausalLM` on `device`, e.g. random
         weights for a benchmark); several engines may share one model, its weights are read-only."""
         device, dtype = torch.device(device), parse_dtype(dtype)
@@ -111,16 +115,15 @@ class Engine:
         eng.path = None
         ecfg = cls._fit_config(config or EngineConfig(), model_config)
         runner = ModelRunner(model, model_config, ecfg, dtype, device, max_model_len=ecfg.max_model_len,
-                             backend_name=attention_backend, cuda_graphs=cuda_graphs)
+                             streams=streams)
         eng._setup(model_config, ecfg, runner, tokenizer, [device], dtype)
         return eng
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-                        attention_backend: str | None = None, **engine_config: object) -> "Engine":
-        """`engine_config`: EngineConfig fields (page_size, num_kv_tokens, ...)."""
-        return cls(path, device=device, dtype=dtype, config=EngineConfig(**engine_config),
-                   attention_backend=attention_backend)
+                        **engine_config: object) -> "Engine":
+        """`engine_config`: EngineConfig fields (page_size, num_kv_tokens, attention_backend, ...)."""
+        return cls(path, device=device, dtype=dtype, config=EngineConfig(**engine_config))
 
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
