@@ -41,6 +41,6 @@ def make_policy(policy: str | type[Policy] | Policy, args: dict[str, Any] | None
     return cls(**args)
 
 
-__all__ = ["STAY", "ModelInfo", "PeerReq", "Policy", "ReqView", "StepResult", "SmallLargePolicy", "BUILTIN", "make_policy",
-           "SinglePolicy", "RandomPolicy", "RStitchPolicy", "R2RPolicy", "CITERPolicy", "CoLLMPolicy",
+__all__ = ["STAY", "ModelInfo", "PeerReq", "Policy", "ReqView", "StepResult", "SmallLargePolicy", "BUILTIN",
+           "make_policy", "SinglePolicy", "RandomPolicy", "RStitchPolicy", "R2RPolicy", "CITERPolicy", "CoLLMPolicy",
            "EnsemblePolicy", "QueryPolicy"]

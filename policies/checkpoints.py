@@ -66,7 +66,8 @@ def read_router(src: str | Path | dict, trust_checkpoint: bool = False) -> dict:
     if src["model_type"] != R2R_MODEL_TYPE:
         raise ValueError(f"router checkpoint {name}: unsupported model_type {src['model_type']!r}; "
                          f"supported: {R2R_MODEL_TYPE}")
-    return {"name": name, "model_type": src["model_type"], "init_args": {**R2R_DEFAULTS, **(src.get("init_args") or {})},
+    init = {**R2R_DEFAULTS, **(src.get("init_args") or {})}
+    return {"name": name, "model_type": src["model_type"], "init_args": init,
             "common_args": dict(src.get("common_args") or {}),
             "model_specific_args": dict(src.get("model_specific_args") or {}), "state_dict": dict(src["state_dict"])}
 

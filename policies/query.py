@@ -55,7 +55,8 @@ def as_scorer(scorer: object) -> Scorer:
     if hasattr(scorer, "calculate_strong_win_rate"):  # a RouteLLM Router
         return scorer.calculate_strong_win_rate
     if not callable(scorer):
-        raise ValueError(f"query: scorer must be callable (text -> strong model's win rate), got {type(scorer).__name__}")
+        raise ValueError(f"query: scorer must be callable (text -> strong model's win rate), "
+                         f"got {type(scorer).__name__}")
     return scorer
 
 
@@ -72,8 +73,14 @@ class QueryPolicy(Policy):
             raise ValueError(f"query: unknown score {score!r}; use one of {', '.join(SCORES)} or a classifier")
         if scorer is not None and classifier is not None:
             raise ValueError("query: give a text scorer or an entry-model classifier, not both")
+        if isinstance(scorer, str) and ":" not in scorer:
+            raise ValueError(f"query: scorer {scorer!r} must be 'module:attribute' (or a callable)")
         self.thresholds, self.score = th, score
-        self.scorer = as_scorer(scorer) if scorer is not None else None
+        # a "module:attribute" scorer is imported at setup, by the server's own router: a client
+        # choosing it per request would name code to run, so a scorer or a classifier is never per request
+        self.scorer_spec, self.text_scored = scorer, scorer is not None
+        self.scorer = as_scorer(scorer) if scorer is not None and not isinstance(scorer, str) else None
+        self.per_request = scorer is None and classifier is None
         self.head = load_linear_head(classifier) if classifier is not None else None
         self.needs_hidden = self.head is not None
         self.keep_first_token = bool(keep_first_token)
@@ -89,9 +96,15 @@ class QueryPolicy(Policy):
     def pick(self, score: float) -> int:
         return sum(score >= t for t in self.thresholds)
 
+    def setup(self, models):
+        if self.text_scored and self.scorer is None:
+            self.scorer = as_scorer(self.scorer_spec)
+
     def admit(self, rid, prompt_ids, text):
-        if self.scorer is None:
+        if not self.text_scored:
             return None  # the entry model scores the request from its prefill
+        if self.scorer is None:
+            self.scorer = as_scorer(self.scorer_spec)
         if text is None:
             raise ValueError("query: the scorer reads the query's text; this prompt is token ids and the entry "
                              "model has no tokenizer to decode them")
@@ -109,7 +122,7 @@ class QueryPolicy(Policy):
     def route(self, result):
         # Without a scorer, the model a request starts on scores it at its first step (nothing
         # written yet, no other model has seen it) and sends it to the chosen model; then it stays.
-        if self.scorer is not None:
+        if self.text_scored:
             return [STAY] * len(result.reqs)
         fresh = [i for i, r in enumerate(result.reqs)
                  if r.loc == r.num_prompt_tokens and not any(r.seen[j] for j in self.peers(result.model))]
@@ -136,6 +149,6 @@ class QueryPolicy(Policy):
         r = 1.0 / self.mean_len
         P = (1 - r) * np.eye(M) + r * np.tile(s, (M, 1))
         C = np.ones((M, M))
-        if self.scorer is None and not self.keep_first_token:
+        if not self.text_scored and not self.keep_first_token:
             C[0, 1:] = 0.0
         return P, C

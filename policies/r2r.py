@@ -51,7 +51,8 @@ class R2RPolicy(SmallLargePolicy):
             self.net = router.eval()
         else:
             ckpt = read_router(router, trust_checkpoint)
-            saved, self.small_name = ckpt["common_args"].get("threshold"), str(ckpt["init_args"]["pretrained_model_name"])
+            saved = ckpt["common_args"].get("threshold")
+            self.small_name = str(ckpt["init_args"]["pretrained_model_name"])
             src = small_path if small_path is not None else (model_dirs or {}).get(self.small_name)
             if src is not None or "token_embeddings.weight" in ckpt["state_dict"]:
                 self.net = build_router(ckpt, load_embedding(src) if src is not None else None)

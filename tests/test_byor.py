@@ -328,7 +328,8 @@ async def test_r2r_router_with_position_embedding(tiny_qwen3, hub_copy, ref, tmp
     want = int((prob >= thr).sum())
     assert int((plain >= thr).sum()) != want
     args = {"router": str(tmp_path / "router.pt"), "model_dirs": {"Qwen/Qwen3-0.6B": str(hub_copy)}}
-    tokens_out, written, _ = await routed(tiny_qwen3, tiny_qwen3, "r2r", args)  # its path does not name it: the map does
+    # the served small model's path does not name it; the map does
+    tokens_out, written, _ = await routed(tiny_qwen3, tiny_qwen3, "r2r", args)
     assert tokens_out == outs and written["large"] == want and 0 < want < len(prob)
     with pytest.raises(ValueError, match="'Qwen/Qwen3-0.6B'.*not named so: pass small_path=DIR or model_dirs"):
         await Router({"small": str(tiny_qwen3), "large": str(tiny_qwen3)}, policy="r2r",
@@ -393,6 +394,15 @@ async def test_query_scorer_decides_before_any_step(tiny_chat_model):
         steps = r.metrics.models["weak"].steps
         assert set((await r.generate(chat, max_tokens=4)).models) == {"strong"}  # the last message is scored
         assert rates.seen[-1] == texts[1] and r.metrics.models["weak"].steps == steps  # weak never stepped
+    # a scorer named as "module:attribute" is imported at setup; scorers and classifiers are never per request
+    named = QueryPolicy(0.5, scorer="builtins:len")
+    assert named.scorer is None and not named.per_request
+    assert not QueryPolicy(0.5, classifier={"weight": torch.ones(4)}).per_request
+    named.bind(["weak", "strong"])
+    named.setup([])
+    assert named.scorer is len and named.admit("r", [5], "abc") == 1 and QueryPolicy(0.5).per_request
+    with pytest.raises(ValueError, match="'module:attribute'"):
+        QueryPolicy(0.5, scorer="len")
     # a query the scorer refuses (ValueError) is the caller's error; a scorer that breaks fails its request only
     with pytest.raises(ValueError, match="scorer reads the query's text"):
         QueryPolicy(0.5, scorer=rates).admit("r", [5, 6], None)
