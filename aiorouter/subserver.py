@@ -146,9 +146,11 @@ class Subserver:
             reqs: list[RouterRequest] = [out.seqs[r].user_data for r in rows]
             policy = reqs[0].policy
             idx = torch.tensor(rows)
-            result = StepResult(self.index, out.logits[idx], torch.tensor([out.next_tokens[r] for r in rows]),
+            logits, V = out.logits[idx], self.engine.vocab_size  # rows past V: reserved for the policy
+            result = StepResult(self.index, logits[:, :V], torch.tensor([out.next_tokens[r] for r in rows]),
                                 out.hidden[idx] if out.hidden is not None else None,
-                                [self._view(q, out.next_tokens[r]) for q, r in zip(reqs, rows)])
+                                [self._view(q, out.next_tokens[r]) for q, r in zip(reqs, rows)],
+                                logits[:, V:] if logits.shape[-1] > V else None)
             try:
                 dests = await self.in_worker(policy.route, result) if policy.route_in_worker else policy.route(result)
                 dests = [int(d) for d in (dests.tolist() if hasattr(dests, "tolist") else dests)]

@@ -97,6 +97,26 @@ class Engine:
         self.scheduler = Scheduler(ecfg, self.block_manager)
         self.stats = EngineStats()
         self._outputs: dict[int, OutputStream] = {}  # requests of add_request, by seq_id
+        self._reserved_rows = 0  # output rows past the token vocabulary (reserve_output_rows)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids this engine samples and accepts: the output rows less the reserved ones."""
+        return self.model_config.vocab_size - self.reserved_rows
+
+    @property
+    def reserved_rows(self) -> int:
+        return self._reserved_rows
+
+    def reserve_output_rows(self, n: int) -> None:
+        """The last `n` rows of the output head are not tokens (Co-LLM's deferral row is the one
+        past the vocabulary): they are never sampled, a prompt may not use them, and the step's
+        logits still carry them for whoever reads them. 0 undoes it."""
+        rows = self.model_config.vocab_size
+        if not 0 <= n < rows:
+            raise ValueError(f"cannot reserve {n} of the model's {rows} output rows")
+        self.runner.sample_vocab = rows - n if n else None
+        self._reserved_rows = n
 
     @property
     def num_params(self) -> int:
@@ -146,7 +166,7 @@ class Engine:
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("prompt is empty")
-        V = self.model_config.vocab_size
+        V = self.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V]
         if bad:
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {V})")
