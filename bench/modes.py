@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from aiorouter import Router
 from bench import workloads as W
-from bench.common import RESULTS, cache_dir, closed_loop, machine
+from bench.common import RESULTS, OutsideLoad, cache_dir, closed_loop, machine
 from bench.modes_model import observed_routing, predict, predicted_for, profile_pair
 from bench.run import PAIRS, _count_computed, load_pair
 
@@ -54,8 +54,10 @@ async def run_once(pair, mode: str, n: int, prompts: list, tokens: int, total: i
             m.batch_sizes.clear()
         r.metrics.handoffs.clear()
         computed.clear()
-        res = await closed_loop(send, n, prompts, total)
+        with OutsideLoad() as outside:
+            res = await closed_loop(send, n, prompts, total)
         out = res.summary()
+        out["outside_load_cores"] = outside.cores  # other processes' CPU use during the run
         out["tokens_computed"] = dict(computed)
         out["handoffs"] = {f"{a}->{b}": c for (a, b), c in r.metrics.handoffs.items()}
         out["request_steps"] = {k: sum(b * c for b, c in m.batch_sizes.items()) for k, m in r.metrics.models.items()}
@@ -123,7 +125,8 @@ def main(argv=None) -> int:
             b0 = pred["best_thresholds"][0]
             for b1 in range(1, n - b0 + 2):  # feasible: (b0 - 1) + (b1 - 1) < n
                 r = asyncio.run(run_once(pair, "delayed", n, prompts, args.tokens, total, {"small": b0, "large": b1}))
-                sweep[f"{b0},{b1}"] = {k: r[k] for k in ("tok_s", "mean_batch", "busy", "step_ms", "load_avg")}
+                sweep[f"{b0},{b1}"] = {k: r[k] for k in ("tok_s", "mean_batch", "busy", "step_ms", "load_avg",
+                                                         "outside_load_cores")}
             sweeps[n] = sweep
         for key in [k for k in results if k.endswith(f"@{n}")]:
             mode = key.split("@")[0]

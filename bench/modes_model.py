@@ -96,12 +96,13 @@ def observed_routing(runs: list[dict], names: list[str]) -> tuple[np.ndarray, np
 
 
 def predict(profile: PairProfile, P: np.ndarray, C: np.ndarray, tau: np.ndarray, N: int,
-            table_states: int = 2_000_000) -> dict:
+            table_states: int = 3_000_000) -> dict:
     """Predicted tok/s of sync, eager and every feasible B at N, and the schedule the model picks."""
     t0 = time.perf_counter()
     lats = [c.latency(float(t)) for c, t in zip(profile.costs, tau)]
     con = None if profile.contention.is_zero else profile.contention
-    choice = choose_delta(P, lats, N, table_states=table_states, contention=con)
+    # Only row N is solved here, so the budget is spent on it alone.
+    choice = choose_delta(P, lats, N, table_states=table_states, contention=con, min_concurrency=N)
     spec = ModelSpec.build(P, C, lats, choice.delta, con)
     row = best_thresholds(spec, N, cache=SolveCache())
     sync = sync_throughput(spec, N)

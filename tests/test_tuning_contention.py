@@ -271,3 +271,18 @@ def test_tuner_schedules_carry_sync_and_eager() -> None:
         assert s.eager == pytest.approx(solve_dtmc(spec, N, (1, 1)).throughput, rel=1e-7)
         assert s.predicted == max(s.delayed, s.sync)
     assert t.schedule(40) == t.schedule(4)
+
+
+def test_choose_delta_budgets_the_contention_chain() -> None:
+    from aiorouter.tuning import choose_delta, threshold_table
+    lat = [LatencyModel(1.9e-3, 0.1e-3), LatencyModel(19.2e-3, 5.5e-3)]
+    con = Contention.build(2, [(1, 1, 0, 1, 0.5), (0, 1, 1, 1, 0.6)])
+    choice = choose_delta(R2R_P, lat, 6, table_states=50_000, contention=con)
+    spec = ModelSpec.build(R2R_P, R2R_C, lat, choice.delta, con)
+    table = threshold_table(spec, 6, cache=SolveCache())
+    assert sum(c.num_states for r in table.rows for c in r.candidates) <= 50_000
+    # The same budget spent on one row buys a finer quantum.
+    row = choose_delta(R2R_P, lat, 6, table_states=50_000, contention=con, min_concurrency=6)
+    assert row.delta < choice.delta
+    with pytest.raises(ValueError, match="min_concurrency 7 > max_concurrency 6"):
+        choose_delta(R2R_P, lat, 6, min_concurrency=7)

@@ -114,8 +114,9 @@ def choose_delta(
     table_states: int = DEFAULT_TABLE_STATES,
     max_states: int = DEFAULT_MAX_STATES,
     contention: Contention | None = None,
+    min_concurrency: int = 1,
 ) -> DeltaChoice:
-    """The most accurate delta whose threshold table (N = 1..cap) fits `table_states`.
+    """The most accurate delta whose threshold table (N = min_concurrency..cap) fits `table_states`.
 
     The largest chain also stays within `max_states` (the per-chain limit).  With `contention`
     the table is the contention chain's (see the module docstring).
@@ -123,6 +124,9 @@ def choose_delta(
     """
     Pm = check_routing_matrix(P)
     cap = check_concurrency(max_concurrency)
+    lo = check_concurrency(min_concurrency)
+    if lo > cap:
+        raise ValueError(f"min_concurrency {lo} > max_concurrency {cap}")
     if isinstance(table_states, bool) or not isinstance(table_states, (int, np.integer)) \
             or table_states < 1000:
         raise ValueError(f"table_states must be an integer >= 1000, got {table_states!r}")
@@ -148,7 +152,7 @@ def choose_delta(
 
     def probe(i: int, limit: int) -> tuple[int, int] | None:  # (table, largest chain), BFS only
         sp, total, largest = spec(deltas[i]), 0, 0
-        for N in range(1, cap + 1):
+        for N in range(lo, cap + 1):
             Bs = feasible_thresholds(M, N)
             sizes = _count(sp, N, Bs, limit - total)
             if sizes is None:
