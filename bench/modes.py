@@ -44,7 +44,7 @@ from bench.run import PAIRS, _count_computed, load_pair
 WARMUP_TOKENS = 16
 
 
-def wait_quiet(cores: float | None, window: float = 3.0, patience: float = 1800.0) -> float | None:
+def wait_quiet(cores: float | None, window: float = 3.0, patience: float = 300.0) -> float | None:
     """Block until other processes use < `cores` over a `window` (at most `patience` s)."""
     if cores is None:
         return None
@@ -56,10 +56,10 @@ def wait_quiet(cores: float | None, window: float = 3.0, patience: float = 1800.
             return o.cores
 
 
-def gated(cores: float | None, run, tries: int = 3) -> dict:
+def gated(cores: float | None, run, patience: float, tries: int = 3) -> dict:
     """run() when quiet; again while other processes used >= `cores` during it."""
     for _ in range(tries):
-        wait_quiet(cores)
+        wait_quiet(cores, patience=patience)
         out = run()
         if cores is None or (out.get("outside_load_cores") or 0.0) < cores:
             break
@@ -117,12 +117,12 @@ def summarise(n: int, results: dict, pred: dict, sweep: dict) -> dict:
     return out
 
 
-def gated_profile(pair, cap: int, gate: float | None):
+def gated_profile(pair, cap: int, gate: float | None, patience: float):
     """(profile, other processes' cores while it ran). Gated: measured afresh (not from the
     contention cache) until other processes stayed under the gate."""
     paths = {"small": pair.small, "large": pair.large}
     for _ in range(3):
-        wait_quiet(gate)
+        wait_quiet(gate, patience=patience)
         with OutsideLoad() as outside:
             prof = profile_pair(paths, cap, cache_dir() / "contention" if gate is None else None)
         if gate is None or (outside.cores or 0.0) < gate:
@@ -141,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also run delayed at every large threshold 1..N")
     ap.add_argument("--quiet-gate", type=float, default=None, metavar="CORES",
                     help="measure only while other processes use fewer cores than this")
+    ap.add_argument("--quiet-patience", type=float, default=300.0, metavar="SECONDS",
+                    help="longest wait for quiet before measuring anyway (the run records the load)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     ns = [int(x) for x in args.concurrency.split(",")]
@@ -151,10 +153,11 @@ def main(argv=None) -> int:
     pair = load_pair(args.pair)
     prompts = W.short_prompts(seed=0, count=64, vocab=min(pair.vocab, W.VOCAB))
     gate = args.quiet_gate
-    prof, prof_load = gated_profile(pair, max(ns), gate)
+    prof, prof_load = gated_profile(pair, max(ns), gate, args.quiet_patience)
 
     def run(mode, n, total, th):
-        return gated(gate, lambda: asyncio.run(run_once(pair, mode, n, prompts, args.tokens, total, th)))
+        return gated(gate, lambda: asyncio.run(run_once(pair, mode, n, prompts, args.tokens, total, th)),
+                     args.quiet_patience)
 
     tpl_P, tpl_C = _template(pair)
     results, predictions, sweeps, summary = {}, {}, {}, {}
