@@ -164,6 +164,8 @@ def test_choose_schedule_picks_the_best_candidate() -> None:
     assert choose_schedule(row, row.best_throughput * 1.1, sync_margin=0.2).mode == "delayed"
     one = best_thresholds(spec, 1, cache=SolveCache())
     assert choose_schedule(one, 0.0).choice == ("eager",)  # B* = all ones is eager
+    # One request: sync runs the same steps; it must not win on the solver's rounding.
+    assert choose_schedule(one, sync_throughput(spec, 1)).choice == ("eager",)
 
 
 def test_contention_moves_the_optimum_towards_sync_or_larger_batches() -> None:

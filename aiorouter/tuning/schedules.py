@@ -27,6 +27,7 @@ from .contention import MAX_KAPPA
 from .spec import ModelSpec, check_concurrency
 
 MODES = ("delayed", "eager", "sync")
+SAME = 1e-6  # relative: within this the chain's solve (tolerance 1e-8) cannot tell two schedules apart
 
 
 @dataclass(frozen=True)
@@ -156,8 +157,8 @@ def choose_schedule(row: SearchResult, sync: SyncResult | float, sync_margin: fl
     """The best of delayed (B*), eager (B = 1) and step-sync at N = row.N.
 
     Delayed with B* = all ones is eager.  Sync is taken only when it beats the best delayed by
-    more than `sync_margin` (a fraction): it is a different runtime loop, so a tie stays with
-    delayed batching.
+    more than `sync_margin` (a fraction; at least SAME): it is a different runtime loop, so a
+    tie stays with delayed batching (at N = 1 every schedule runs the same steps).
     """
     if not sync_margin >= 0:
         raise ValueError(f"sync_margin must be >= 0, got {sync_margin!r}")
@@ -167,7 +168,7 @@ def choose_schedule(row: SearchResult, sync: SyncResult | float, sync_margin: fl
     eager = row.throughput_of(ones) if row.candidates else float("nan")
     delayed = row.best_throughput
     kw = dict(N=row.N, delayed=delayed, best_thresholds=row.best, eager=eager, sync=s)
-    if s > delayed * (1.0 + sync_margin) or (np.isnan(delayed) and np.isfinite(s)):
+    if s > delayed * (1.0 + max(sync_margin, SAME)) or (np.isnan(delayed) and np.isfinite(s)):
         return Schedule(mode="sync", thresholds=(), predicted=s, **kw)
     mode = "eager" if row.best == ones else "delayed"
     return Schedule(mode=mode, thresholds=row.best, predicted=delayed, **kw)
