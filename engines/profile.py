@@ -229,8 +229,11 @@ def profile_contention(engines: Seq[Engine], pairs: Seq[tuple[int, int, int, int
     `CoreShare.step_fn`: measure with the core lending it serves with). Pairs with a sim engine,
     or on two different GPUs, do not contend and are not run: they yield no sample.
 
-    Cost on the 2-core bench machine (cpu-tiny, cap 16: 4 runs): ~2-3 s. With `cache_dir`, results
-    are kept under a hash of the checkpoints' files, devices, threads, cores and arguments.
+    Cost: each run makes `steps + warmup` steps of the slower model alone, then as many while the
+    other steps (each slower by 1 / (1 - kappa)): 13 s for four runs (cpu-tiny, cap 16) and
+    18 s (smollm2) on the 2-core bench machine while other jobs held 1.3-1.6 of its cores (not
+    yet timed on an idle one). With `cache_dir`, results are kept under a hash of the
+    checkpoints' files, devices, dtypes, threads, cores and arguments.
     """
     if len(threads) != len(engines) or (executors is not None and len(executors) != len(engines)):
         raise ValueError(f"need one thread count (and executor) per engine: {len(engines)} engines, "
