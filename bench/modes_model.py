@@ -22,12 +22,21 @@ import numpy as np
 import torch
 
 from aiorouter.cpu_threads import CoreShare, plan_threads
-from aiorouter.tuning import (Contention, ModelSpec, SolveCache, StepCost, best_thresholds, choose_delta,
-                              choose_schedule, fit_step_cost, sync_throughput)
+from aiorouter.tuning import (
+    Contention,
+    ModelSpec,
+    SolveCache,
+    StepCost,
+    best_thresholds,
+    choose_delta,
+    choose_schedule,
+    fit_step_cost,
+    sync_throughput,
+)
 from engines import Engine, EngineConfig
 from engines.profile import contention_pairs, profile_contention, profile_step_latency
 
-STEP_SHAPES = lambda cap: [(1, 1), (4, 1), (cap, 1), (1, 32), (4, 8), (cap, 4)]  # noqa: E731
+STEP_SHAPES = lambda cap: [(1, 1), (4, 1), (cap, 1), (1, 32), (4, 8), (cap, 4)]
 
 
 @dataclass
@@ -53,7 +62,7 @@ def profile_pair(paths: dict[str, Path], cap: int, cache_dir: Path | None) -> Pa
     names = list(paths)
     engines = [Engine(p, config=EngineConfig(num_kv_tokens=8192)) for p in paths.values()]
     threads = plan_threads([e.num_params for e in engines])
-    share = CoreShare.plan([e.runner for e in engines], threads)
+    share = CoreShare.plan(engines, threads)
     pools = [ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(t,)) for t in threads]
     try:
         t0 = time.perf_counter()

@@ -22,10 +22,10 @@ def two_engines(tmp_path_factory):
 
 def test_contention_profile_of_two_real_engines(two_engines, tmp_path, monkeypatch):
     engines = two_engines
-    free = [e.block_manager.num_free_pages for e in engines]
+    free = [e.kv_usage().pages_free for e in engines]
     threads = plan_threads([e.num_params for e in engines], cores=2)
     assert threads == [1, 2]
-    share = CoreShare.plan([e.runner for e in engines], threads)
+    share = CoreShare.plan(engines, threads)
     pairs = contention_pairs(2, 4, heavy=1)
     assert pairs == [(1, 1, 0, 1), (1, 1, 0, 2), (1, 4, 0, 1), (1, 4, 0, 2)]
     got = profile_contention(engines, pairs, threads=threads, wrap=share.step_fn, steps=2, cache_dir=tmp_path)
@@ -36,7 +36,7 @@ def test_contention_profile_of_two_real_engines(two_engines, tmp_path, monkeypat
         assert s.solo_s > 0 and s.overlapped_s > 0
         assert 0 < s.other_busy <= 1.0
         assert 0.0 <= s.kappa <= 0.95
-    assert [e.block_manager.num_free_pages for e in engines] == free  # private KV freed
+    assert [e.kv_usage().pages_free for e in engines] == free  # private KV freed
     con = Contention.from_samples(2, got)
     K = con.table(4)
     assert K.shape == (2, 2, 5, 5) and 0 <= K.min() and K.max() <= 0.95
@@ -44,8 +44,7 @@ def test_contention_profile_of_two_real_engines(two_engines, tmp_path, monkeypat
     monkeypatch.setattr(profile, "_measure_pair", lambda *a, **k: pytest.fail("measured again"))
     again = profile_contention(engines, pairs, threads=threads, wrap=share.step_fn, steps=2, cache_dir=tmp_path)
     assert again == got
-    runner = engines[1].runner
-    runner.layer_hook = None  # leave the module-scoped engine as built
+    engines[1].set_layer_hook(None)  # leave the module-scoped engine as built
 
 
 def test_sim_engines_measure_no_contention(two_engines):
