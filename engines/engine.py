@@ -52,7 +52,8 @@ class EngineStats:
 class Engine:
     def __init__(self, model_path: str | Path, device: str | torch.device = "cpu",
                  dtype: str | torch.dtype = "float32", config: EngineConfig | None = None,
-                 load_tokenizer: bool = True, attention_backend: str | None = None, cuda_graphs: bool = True):
+                 load_tokenizer: bool = True, attention_backend: str | None = None, cuda_graphs: bool = True,
+                 quantization: str | None = None):
         """`device`: "cpu", "cuda:0", or a group "cuda:0,1" (layers split across it, in order).
         `attention_backend`: "torch" | "cpu" | "triton" | "flashinfer"; None picks by device."""
         self.path = Path(model_path)
@@ -62,7 +63,7 @@ class Engine:
         ecfg = self._fit_config(config or EngineConfig(), model_config)
         tokenizer = self._load_tokenizer() if load_tokenizer else None
         # a group loads on the host and the runner places each stage's layers on its device
-        model = load_model(self.path, model_config, dtype, device if len(devices) == 1 else torch.device("cpu"))
+        model = load_model(self.path, model_config, dtype, device if len(devices) == 1 else torch.device("cpu"), quantization)
         runner = ModelRunner(model, model_config, ecfg, dtype, device, max_model_len=ecfg.max_model_len,
                              devices=devices, backend_name=attention_backend, cuda_graphs=cuda_graphs)
         self._setup(model_config, ecfg, runner, tokenizer, device, dtype)

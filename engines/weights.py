@@ -9,6 +9,7 @@ from safetensors import SafetensorError, safe_open
 
 from engines.config import ModelConfig
 from engines.model import CausalLM
+from engines.quant import check_quantization, declared_quantization, quantize_model
 
 # HF name suffix -> (our parameter suffix, index of the shard inside the merged tensor)
 _MERGED = {
@@ -41,8 +42,12 @@ def _our_name(hf_name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+               quantization: str | None = None) -> CausalLM:
+    """`quantization`: "int4" / "int8" (engines/quant.py), applied once loaded; None: what the
+    checkpoint's config.json asks for (quant.CONFIG_KEY), else dense."""
     path = Path(path)
+    quantization = check_quantization(quantization) or declared_quantization(path)
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
@@ -85,4 +90,6 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: t
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+    if quantization is not None:
+        quantize_model(model, quantization)
     return model.eval()
