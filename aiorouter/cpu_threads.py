@@ -65,14 +65,14 @@ class CoreShare:
         self._heavy_now = heavy_threads
 
     @classmethod
-    def plan(cls, runners: Sequence[object], threads: Sequence[int]) -> "CoreShare | None":
-        """Share when every model runs on this CPU (`runners`: each model's ModelRunner, None
-        for an engine without one); installs the heavy model's per-layer hook."""
-        if len(runners) < 2 or any(r is None or getattr(r, "cuda", True) for r in runners):
+    def plan(cls, engines: Sequence[object], threads: Sequence[int]) -> "CoreShare | None":
+        """Share when every model runs on this CPU with weights to read (a sim engine sleeps; a GPU
+        model's worker only launches kernels); installs the heavy model's per-layer hook."""
+        if len(engines) < 2 or any(e.num_params == 0 or e.device.type != "cpu" for e in engines):
             return None
         heavy = max(range(len(threads)), key=lambda i: (threads[i], -i))
         share = cls(threads[heavy], {i: t for i, t in enumerate(threads) if i != heavy})
-        runners[heavy].layer_hook = share.heavy_layer
+        engines[heavy].set_layer_hook(share.heavy_layer)
         return share
 
     def step_fn(self, index: int, fn: Callable[..., T]) -> Callable[..., T]:

@@ -18,6 +18,15 @@ class ModelMetrics:
     queue_len: int = 0  # ready (waiting + running) sequences
     pending: int = 0  # parked while a peer serves them
 
+    def record_step(self, batch_size: int, seconds: float) -> None:
+        self.steps += 1
+        self.batch_sizes[batch_size] += 1
+        self.step_time_sum += seconds
+
+    def record_admission(self, delay: float) -> None:
+        self.admission_delay_sum += delay
+        self.admission_delay_count += 1
+
     @property
     def mean_admission_delay(self) -> float:
         return self.admission_delay_sum / max(1, self.admission_delay_count)

@@ -1,16 +1,15 @@
-"""A routed request: the one object every model's subserver shares for it (same process,
-so a handoff passes this object by reference; nothing is serialized)."""
+"""A routed request: the one object every model's subserver shares for it (same process, so a
+handoff passes this object by reference; nothing is serialized), and the inbox messages."""
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from engines import SamplingParams, Sequence
-from engines.detokenizer import IncrementalDetokenizer
-from policies.base import PeerReq
+from engines.output import OutputStream
+from policies.base import PeerReq, Policy
 
 
 class StreamEvent(NamedTuple):
@@ -30,11 +29,6 @@ class GenerateResult:
     usage: dict  # prompt_tokens, completion_tokens, total_tokens, per_model
 
 
-class ReqStatus(enum.Enum):
-    ACTIVE = "active"
-    FINISHED = "finished"
-
-
 class RouterError(RuntimeError):
     """A request failed inside the router (a model's step raised, a policy misbehaved)."""
 
@@ -42,37 +36,47 @@ class RouterError(RuntimeError):
 @dataclass(eq=False)
 class RouterRequest:
     rid: str
-    token_ids: list[int]  # committed: prompt + output
-    num_prompt_tokens: int
-    sampling: SamplingParams
+    out: OutputStream  # committed tokens (prompt + output), stop checks, streamed text
+    policy: Policy  # the router's, or this request's override
     num_models: int
-    detok: IncrementalDetokenizer | None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    status: ReqStatus = ReqStatus.ACTIVE
-    finish_reason: str | None = None
     error: BaseException | None = None
     at: int = 0  # model currently responsible for the request
     seen: list[int] = field(default_factory=list)  # per model: tokens of token_ids it has seen
     local: list[Sequence | None] = field(default_factory=list)  # per model: its engine sequence
     trace: list[int] = field(default_factory=list)  # model index per output token
-    state: dict = field(default_factory=dict)  # the policy's per-request scratch space
-    emitted_chars: int = 0
-    stop_cut: int | None = None
+    state: list[dict[str, Any]] = field(default_factory=list)  # per model: the policy's scratch space
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
-    policy: object = None  # a per-request policy override, else None
 
     def __post_init__(self) -> None:
         self.seen = [0] * self.num_models
         self.local = [None] * self.num_models
+        self.state = [{} for _ in range(self.num_models)]
 
     @property
-    def finished(self) -> bool:
-        return self.status is ReqStatus.FINISHED
+    def token_ids(self) -> list[int]:
+        return self.out.token_ids
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.out.sampling
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.out.num_prompt_tokens
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.out.num_output_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.out.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.out.finish_reason
 
 
 # -- inbox messages (typed objects, dispatched by type; never strings) ---------------------------
@@ -93,9 +97,4 @@ class Release(NamedTuple):
 
 
 class Wake(NamedTuple):
-    """Something system-wide changed (a request ended): re-check the launch condition."""
-
-
-class Kick(NamedTuple):
-    """Every model is idle below its threshold and nothing is in flight: launch anyway. (The
-    active count can fall below what the thresholds were solved for, e.g. as load drains.)"""
+    """Something system-wide changed (the active count, the thresholds, a round): re-check launching."""

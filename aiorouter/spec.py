@@ -1,12 +1,14 @@
-"""How a router is told about its models."""
+"""How a router is told about its models, and how it builds their engines and sizes their KV."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from engines import EngineConfig
+from engines import Engine, EngineConfig, ModelConfig
 from engines.devices import parse_devices
+from engines.engine import parse_dtype
+from engines.streams import StreamFactory
 
 
 @dataclass(frozen=True)
@@ -52,3 +54,23 @@ class ModelSpec:
             except TypeError as e:
                 raise ValueError(f"bad model spec {value!r}: {e}") from None
         raise ValueError(f"a model must be a path, a dict or a ModelSpec, got {type(value).__name__}")
+
+    def build(self, default_device: str, kv_memory_gb: float, num_models: int,
+              streams: StreamFactory | None = None) -> Engine:
+        """This model's engine. Its KV pool is `num_kv_tokens` if set, else its share (`kv_share`, or
+        an equal split between the router's models) of `kv_memory_gb`, in its own KV bytes per token.
+        `streams`: the router's CUDA stream factory, so no two models share a stream."""
+        ecfg = replace(self.engine_config, num_kv_tokens=self.kv_tokens(kv_memory_gb, num_models))
+        if self.engine == "sim":
+            from engines.sim import SimEngine
+            return SimEngine(self.latency_ms / 1000, self.latency_slope_ms / 1000, self.vocab_size, ecfg, self.token_seed)
+        return Engine(self.path, device=self.device or default_device, dtype=self.dtype, config=ecfg, streams=streams)
+
+    def kv_tokens(self, kv_memory_gb: float, num_models: int) -> int:
+        if self.num_kv_tokens is not None:
+            return self.num_kv_tokens
+        if self.engine == "sim":
+            return self.engine_config.num_kv_tokens
+        share = self.kv_share or 1.0 / num_models
+        per_tok = ModelConfig.from_dir(self.path).kv_bytes_per_token(parse_dtype(self.dtype))
+        return max(self.engine_config.page_size * 64, int(kv_memory_gb * share * 2**30 / per_tok))

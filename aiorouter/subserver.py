@@ -1,258 +1,235 @@
-"""One model's subserver: an asyncio task with its own engine, KV pool, prefix cache,
-scheduler and worker thread (its CUDA stream on GPU). It never waits for another model:
-peers reach it only through `inbox`."""
+"""One model's subserver: an asyncio task with its own engine (KV pool, prefix cache, scheduler) and
+worker thread (its CUDA stream on GPU). It never waits for another model: peers reach it only through
+its inbox, and the launch decision it shares with them lives in `LaunchControl`.
+
+A step is schedule -> execute (in the worker thread) -> finish, then the policy routes the batch:
+each request stays (its token is committed) or is handed off with the policy's `PeerReq`.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
-from aiorouter.batching import should_launch
+from aiorouter.cpu_threads import CoreShare
+from aiorouter.launch import LaunchControl
 from aiorouter.metrics import ModelMetrics
-from aiorouter.request import Handoff, Kick, NewRequest, Release, RouterError, RouterRequest, Wake
-from engines import Engine, Sequence
+from aiorouter.request import Handoff, NewRequest, Release, RouterError, RouterRequest, Wake
+from aiorouter.requests import RequestTable
+from engines import Engine
 from engines.runner import ForwardOutput, ScheduledSeq
-from policies.base import ReqView, RouteInput
-
-if TYPE_CHECKING:
-    from aiorouter.router import Router
+from policies.base import STAY, PeerReq, Policy, ReqView, StepResult
 
 log = logging.getLogger("aiorouter.subserver")
 
+RouteObserver = Callable[[int, int, int], None]  # (from model, to model, tokens committed)
+
 
 class Subserver:
-    def __init__(self, router: "Router", index: int, name: str, engine: Engine, num_threads: int):
-        self.router, self.index, self.name, self.engine = router, index, name, engine
-        self.inbox: asyncio.Queue = asyncio.Queue()
-        self.metrics = ModelMetrics(kv_pages_total=engine.block_manager.num_pages)
+    def __init__(self, index: int, name: str, engine: Engine, launch: LaunchControl, requests: RequestTable,
+                 num_threads: int, core_share: CoreShare | None = None, observe: RouteObserver | None = None):
+        self.index, self.name, self.engine = index, name, engine
+        self.launch, self.requests, self.observe = launch, requests, observe
+        self.metrics = ModelMetrics(kv_pages_total=engine.kv_usage().pages_total)
         # One worker thread per model: forwards of different models overlap while the event
         # loop stays free. Its intra-op thread count is set inside that thread (per-thread in OpenMP).
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"aiorouter-{name}",
                                            initializer=torch.set_num_threads, initargs=(num_threads,))
-        self.task: asyncio.Task | None = None
-        self.kicked = False  # the router found the system stalled and chose this model to launch
+        # on a shared CPU a light model's step is counted while it runs (cpu_threads.CoreShare)
+        self._execute = core_share.step_fn(index, engine.execute) if core_share is not None else engine.execute
 
-    @property
-    def scheduler(self):
-        return self.engine.scheduler
-
-    def post(self, msg: object) -> None:
-        if isinstance(msg, (NewRequest, Handoff)):
-            self.router._in_flight += 1
-        self.inbox.put_nowait(msg)
-        self.router._wakeup.set()
+    async def in_worker(self, fn: Callable, *args):
+        """Run fn(*args) in this model's worker thread (profiling runs where the model serves)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     # -- inbox -------------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
-        if isinstance(msg, (NewRequest, Handoff)):
-            self.router._in_flight -= 1
-        if isinstance(msg, Kick):
-            self.kicked = True
-        elif isinstance(msg, NewRequest):
-            self._arrive(msg.req, msg.req.token_ids[:], loc=0)
+        if isinstance(msg, NewRequest):
+            self._arrive(msg.req, msg.req.token_ids[:])
         elif isinstance(msg, Handoff):
             self._receive(msg)
         elif isinstance(msg, Release):
-            self._release(msg.req)
+            seq = msg.req.local[self.index]
+            if seq is not None and not seq.is_finished:
+                self.engine.release(seq, msg.req.finish_reason or "abort")
         elif not isinstance(msg, Wake):
             raise TypeError(f"subserver {self.name}: unknown message {type(msg).__name__}")
+        self.launch.handled(msg)
 
     def drain(self) -> None:
-        while True:
-            try:
-                msg = self.inbox.get_nowait()
-            except asyncio.QueueEmpty:
-                return
-            self.handle(msg)
+        inbox = self.launch.inboxes[self.index]
+        while not inbox.empty():
+            self.handle(inbox.get_nowait())
+        self._report()
+
+    def _view(self, req: RouterRequest, sampled: int | None = None, peer: int | None = None) -> ReqView:
+        return ReqView(req.rid, self.index, req.token_ids, req.num_prompt_tokens, sampled, tuple(req.seen),
+                       tuple(req.trace), req.state[self.index], peer)
 
     def _receive(self, msg: Handoff) -> None:
         req, pr = msg.req, msg.peer_req
         if req.finished:
             return
         try:
-            policy = self.router.policy_for(req)
-            if pr.loc != req.seen[self.index]:
-                raise RouterError(f"policy {policy.name!r}: PeerReq.loc={pr.loc} but model {self.name!r} has seen "
-                                  f"{req.seen[self.index]} tokens")
-            tokens = list(policy.receive(self.index, pr))
+            tokens = list(req.policy.receive(pr, self._view(req)))
+            seen = req.seen[self.index]
+            if tokens != req.token_ids[seen:seen + len(tokens)]:
+                raise RouterError(f"policy {req.policy.name!r}.receive on {self.name!r} returned tokens that are not "
+                                  f"the request's committed tokens from position {seen}")
         except Exception as e:  # a policy bug fails this request only
-            self.router.fail(req, e if isinstance(e, RouterError) else RouterError(f"receive failed on {self.name}: {e!r}"))
+            self.requests.fail(req, e if isinstance(e, RouterError) else
+                               RouterError(f"policy {req.policy.name!r} raised in receive on {self.name!r}: {e!r}"))
             return
-        self._arrive(req, tokens, pr.loc)
+        self._arrive(req, tokens)
 
-    def _arrive(self, req: RouterRequest, tokens: list[int], loc: int) -> None:
+    def _arrive(self, req: RouterRequest, tokens: list[int]) -> None:
         """The request is now this model's: append what it has not seen and make it ready."""
         if req.finished:
             return
         req.at = self.index
         seq = req.local[self.index]
-        if seq is None:
-            if loc != 0:
-                self.router.fail(req, RouterError(f"first PeerReq to {self.name!r} must start at loc 0, got {loc}"))
-                return
-            seq = Sequence(tokens, req.sampling, num_prompt_tokens=req.num_prompt_tokens, user_data=req)
-            req.local[self.index] = seq
-            self.scheduler.add(seq)  # first visit: prefix matching and admission
-        else:
-            self.scheduler.resume(seq, tokens)  # handoff-resume: KV kept, just extend
+        if seq is None:  # first visit: prefix matching and admission
+            seq = req.local[self.index] = self.engine.add(tokens, req.sampling, req.num_prompt_tokens, user_data=req)
+        else:  # handoff-resume: KV kept, just extend
+            self.engine.resume(seq, tokens)
         req.seen[self.index] = len(seq.token_ids)
         seq.t_ready = time.perf_counter()
 
-    def _release(self, req: RouterRequest) -> None:
-        seq = req.local[self.index]
-        if seq is not None and not seq.is_finished:
-            self.scheduler.finish(seq, req.finish_reason or "abort")
+    # -- one step ----------------------------------------------------------------------------
+    async def step(self) -> bool:
+        """Schedule, run and route one batch. False when nothing could be scheduled."""
+        self.launch.started(self.index)
+        try:
+            batch = self.engine.schedule()
+            if not batch:
+                return False
+            t0 = time.perf_counter()
+            self._admitted(batch, t0)
+            try:
+                out = self.engine.finish(batch, await self._run(batch))
+            except Exception as e:
+                log.exception("model %s: step failed", self.name)
+                for seq, _ in batch:
+                    self.requests.fail(seq.user_data, RouterError(f"model {self.name!r} failed a step: {e!r}"))
+                return True
+            self.metrics.record_step(len(batch), time.perf_counter() - t0)
+            await self.route(out)
+            return True
+        finally:
+            self.launch.ended(self.index)
+            self._report()
 
-    # -- stepping ----------------------------------------------------------------------------
-    @property
-    def num_ready(self) -> int:
-        return self.scheduler.num_ready
-
-    def can_launch(self) -> bool:
-        r = self.router
-        if r.mode != "delayed" or (self.kicked and self.num_ready):
-            return self.num_ready > 0
-        return should_launch(self.num_ready, r.threshold(self.index), r.num_active)
-
-    async def execute(self, batch: list[ScheduledSeq]) -> ForwardOutput:
+    async def _run(self, batch: list[ScheduledSeq]) -> ForwardOutput:
         """The forward in this model's worker thread. On CUDA the runner launches on the model's own
         stream(s) and waits for the step's event in that thread, so the loop and the other models'
         steps go on meanwhile (engines/runner.py)."""
-        want_hidden = any(self.router.policy_for(s.user_data).needs_hidden for s, _ in batch)
-        loop = asyncio.get_running_loop()
-        share, run = self.router._core_share, self.engine.runner.run
-        if share is not None:
-            run = share.step_fn(self.index, run)
-        return await loop.run_in_executor(self.executor, run, batch, want_hidden)
+        want_hidden = any(s.user_data.policy.needs_hidden for s, _ in batch)
+        return await self.in_worker(self._execute, batch, want_hidden)
 
-    async def step(self) -> bool:
-        """Schedule, run and post-process one batch. False when nothing could be scheduled."""
-        self.kicked = False
-        batch = self.scheduler.schedule()
-        if not batch:
-            return False
-        self.router._busy += 1
-        try:
-            await self._step(batch)
-        finally:
-            self.router._busy -= 1
-        return True
-
-    async def _step(self, batch: list[ScheduledSeq]) -> None:
-        now = time.perf_counter()
-        m = self.metrics
+    def _admitted(self, batch: list[ScheduledSeq], now: float) -> None:
         for seq, _ in batch:
-            t = getattr(seq, "t_ready", None)
-            if t is not None:
-                m.admission_delay_sum += now - t
-                m.admission_delay_count += 1
+            if seq.t_ready is not None:
+                self.metrics.record_admission(now - seq.t_ready)
                 seq.t_ready = None
-        try:
-            out = await self.execute(batch)
-        except Exception as e:
-            log.exception("model %s: step failed", self.name)
-            for seq, _ in batch:
-                self.router.fail(seq.user_data, RouterError(f"model {self.name!r} failed a step: {e!r}"))
-            return
-        self.scheduler.commit(batch)
-        m.steps += 1
-        m.batch_sizes[len(batch)] += 1
-        m.step_time_sum += time.perf_counter() - now
-        await self.postprocess(out)
-        self._update_gauges()
 
-    async def postprocess(self, out: ForwardOutput) -> None:
-        rows = [i for i, s in enumerate(out.seqs) if not s.user_data.finished]
-        if not rows:
-            return
-        reqs: list[RouterRequest] = [out.seqs[i].user_data for i in rows]
-        toks = [out.next_tokens[i] for i in rows]
-        # Requests with a per-request policy are routed apart from the router's policy.
+    async def route(self, out: ForwardOutput) -> None:
+        """The policy decides per request; requests with a per-request policy are routed apart."""
         groups: dict[int, list[int]] = {}
-        for k, req in enumerate(reqs):
-            groups.setdefault(id(self.router.policy_for(req)), []).append(k)
-        for ks in groups.values():
-            policy = self.router.policy_for(reqs[ks[0]])
-            views = [ReqView(reqs[k].rid, reqs[k].token_ids, reqs[k].num_prompt_tokens, toks[k], tuple(reqs[k].seen),
-                             tuple(reqs[k].trace), reqs[k].state) for k in ks]
-            idx = torch.tensor([rows[k] for k in ks])
-            ri = RouteInput(out.logits[idx], torch.tensor([toks[k] for k in ks]),
-                            out.hidden[idx] if out.hidden is not None else None, views)
+        for row, seq in enumerate(out.seqs):
+            if not seq.user_data.finished:
+                groups.setdefault(id(seq.user_data.policy), []).append(row)
+        for rows in groups.values():
+            reqs: list[RouterRequest] = [out.seqs[r].user_data for r in rows]
+            policy = reqs[0].policy
+            idx = torch.tensor(rows)
+            logits, V = out.logits[idx], self.engine.vocab_size  # rows past V: reserved for the policy
+            result = StepResult(self.index, logits[:, :V], torch.tensor([out.next_tokens[r] for r in rows]),
+                                out.hidden[idx] if out.hidden is not None else None,
+                                [self._view(q, out.next_tokens[r]) for q, r in zip(reqs, rows)],
+                                logits[:, V:] if logits.shape[-1] > V else None)
             try:
-                if policy.route_in_worker:
-                    loop = asyncio.get_running_loop()
-                    dests = await loop.run_in_executor(self.executor, policy.route, self.index, ri)
-                else:
-                    dests = policy.route(self.index, ri)
+                dests = await self.in_worker(policy.route, result) if policy.route_in_worker else policy.route(result)
                 dests = [int(d) for d in (dests.tolist() if hasattr(dests, "tolist") else dests)]
-                if len(dests) != len(ks):
+                if len(dests) != len(rows):
                     raise RouterError(f"policy {policy.name!r}.route returned {len(dests)} destinations "
-                                      f"for a batch of {len(ks)}")
+                                      f"for a batch of {len(rows)}")
             except Exception as e:
                 err = e if isinstance(e, RouterError) else RouterError(f"policy {policy.name!r} raised in route: {e!r}")
-                for k in ks:
-                    self.router.fail(reqs[k], err)
+                for q in reqs:
+                    self.requests.fail(q, err)
                 continue
-            for k, d, view in zip(ks, dests, views):
-                self._dispatch(policy, reqs[k], toks[k], d, view)
+            for q, d, view in zip(reqs, dests, result.reqs):
+                if d == STAY:
+                    self._stay(q, view.sampled)
+                else:
+                    self._hand_off(policy, q, d, view)
 
-    def _dispatch(self, policy, req: RouterRequest, token: int, dest: int, view: ReqView) -> None:
-        r = self.router
+    def _stay(self, req: RouterRequest, token: int) -> None:
         seq = req.local[self.index]
-        if dest == 0:
-            r.observe_route(self.index, self.index, 1)
-            seq.token_ids.append(token)
-            req.seen[self.index] = len(seq.token_ids)
-            seq.t_ready = time.perf_counter()
-            r.commit(req, [token], self.index)
-            return
+        seq.token_ids.append(token)
+        req.seen[self.index] = len(seq.token_ids)
+        seq.t_ready = time.perf_counter()
+        if self.observe is not None:
+            self.observe(self.index, self.index, 1)
+        self.requests.commit(req, [token], self.index)
+
+    def _hand_off(self, policy: Policy, req: RouterRequest, dest: int, view: ReqView) -> None:
         try:
-            target = policy.resolve(self.index, dest)
-            pr = policy.send(self.index, view, target)
-            committed = len(req.token_ids) - pr.loc
-            if pr.loc != req.seen[target] or pr.tokens[:committed] != req.token_ids[pr.loc:]:
-                raise RouterError(f"policy {policy.name!r}.send: PeerReq must carry the suffix from loc "
-                                  f"{req.seen[target]} the peer has not seen (got loc {pr.loc})")
+            peers = policy.peers(self.index)
+            if not 1 <= dest <= len(peers):
+                raise RouterError(f"policy {policy.name!r} routed to peer {dest} from model {self.name!r}, "
+                                  f"which has {len(peers)} peers")
+            target = peers[dest - 1]
+            pr = policy.send(view._replace(peer=target))
+            new = self._check_send(policy, req, pr, target)
         except Exception as e:
-            r.fail(req, e if isinstance(e, RouterError) else RouterError(f"handoff from {self.name!r} failed: {e}"))
+            self.requests.fail(req, e if isinstance(e, RouterError) else
+                               RouterError(f"policy {policy.name!r} raised in send on {self.name!r}: {e!r}"))
             return
-        new = pr.tokens[committed:]
-        r.observe_route(self.index, target, len(new))
+        if self.observe is not None:
+            self.observe(self.index, target, len(new))
         if new:
-            r.commit(req, new, self.index)
-            if req.finished:
-                return
-        self.scheduler.park(seq)
-        r.metrics.handoffs[(self.name, r.names[target])] += 1
-        r.subservers[target].post(Handoff(req, pr, self.index))
+            self.requests.commit(req, new, self.index)
+        if pr.finished:
+            self.requests.finish(req)
+        if req.finished:
+            return
+        self.engine.park(req.local[self.index])
+        self.requests.count_handoff(self.index, target)
+        self.launch.post(target, Handoff(req, pr, self.index))
 
-    def _update_gauges(self) -> None:
-        m, bm = self.metrics, self.engine.block_manager
-        m.kv_pages_used = bm.num_used_pages
-        m.queue_len = self.scheduler.num_ready
-        m.pending = len(self.scheduler.parked)
+    @staticmethod
+    def _check_send(policy: Policy, req: RouterRequest, pr: PeerReq, target: int) -> list[int]:
+        """-> the tokens the send commits. A PeerReq carries the whole suffix the peer has not seen."""
+        unseen = req.token_ids[req.seen[target]:]
+        if pr.rid != req.rid or pr.loc != len(req.token_ids) or pr.tokens[:len(unseen)] != unseen:
+            raise RouterError(f"policy {policy.name!r}.send: a PeerReq must carry request {req.rid}, loc "
+                              f"{len(req.token_ids)} (the decoding position) and the {len(unseen)} tokens the peer "
+                              f"has not seen from position {req.seen[target]}; got loc {pr.loc}, {len(pr.tokens)} tokens")
+        return pr.tokens[len(unseen):]
 
-    # -- the loop (eager and delayed modes) ------------------------------------------------------
+    def _report(self) -> None:
+        n = self.engine.num_ready
+        self.launch.set_ready(self.index, n)
+        kv = self.engine.kv_usage()
+        self.metrics.kv_pages_used, self.metrics.queue_len, self.metrics.pending = kv.pages_used, n, kv.parked
+
+    # -- the loop (every mode: LaunchControl decides) --------------------------------------------
     async def run(self) -> None:
-        r = self.router
+        inbox = self.launch.inboxes[self.index]
         while True:
             self.drain()
-            self._update_gauges()
-            if self.can_launch():
+            if self.launch.may_launch(self.index) or self.launch.kick_if_stalled(self.index):
                 if await self.step():
                     continue
-            elif self.num_ready and r.stalled() and r.kick() is self:
-                continue
-            timeout = r.max_wait_s if (r.mode == "delayed" and self.num_ready and r.max_wait_s) else None
             try:
-                msg = await asyncio.wait_for(self.inbox.get(), timeout)
+                msg = await asyncio.wait_for(inbox.get(), self.launch.wait_timeout(self.index))
             except asyncio.TimeoutError:  # max-wait bound: launch what is here
-                if self.num_ready:
-                    await self.step()
+                await self.step()
                 continue
             self.handle(msg)
 

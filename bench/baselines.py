@@ -122,14 +122,16 @@ class EngineServer:
         self.steps = 0
         self.batch_rows = 0  # sum of batch sizes (mean batch = batch_rows / steps)
         self.busy_s = 0.0  # worker-thread time inside steps
-        # the worker's step; StdServing wraps it once it knows the other servers (cores lent as in the router)
-        self.run_step = self._step
+        self._run_step = self._step
 
     def set_threads(self, threads: int) -> None:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"std-{self.name}", initializer=torch.set_num_threads,
                                            initargs=(threads,))
 
-    async def start(self) -> None:
+    async def start(self, share: CoreShare | None = None, index: int = 0) -> None:
+        """`share`: the cores lent between the servers as in the router (its step counted as model `index`'s)."""
+        if share is not None:
+            self._run_step = share.step_fn(index, self._step)
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name=f"std-{self.name}")
 
@@ -155,7 +157,7 @@ class EngineServer:
                 continue
             pending, self._pending = self._pending, []
             try:
-                results = await loop.run_in_executor(self.executor, self.run_step, pending)
+                results = await loop.run_in_executor(self.executor, self._run_step, pending)
             except Exception as e:  # fail every caller rather than hang them
                 for fut in [f for _, f in pending] + list(self._futs.values()):
                     if not fut.done():
@@ -193,10 +195,9 @@ class EngineServer:
         return results
 
     def stats(self) -> dict:
-        bm = self.engine.block_manager
         return {"requests": self.requests, "steps": self.steps,
                 "mean_batch": self.batch_rows / self.steps if self.steps else 0.0,
-                "prefix_matches": bm.num_prefix_matches, "prefill_tokens": self.engine.stats.num_prefill_tokens,
+                "prefix_matches": self.engine.kv_usage().prefix_matches, "prefill_tokens": self.engine.stats.num_prefill_tokens,
                 "decode_tokens": self.engine.stats.num_decode_tokens, "busy_s": self.busy_s}
 
 
@@ -223,13 +224,10 @@ class StdServing:
             self.servers.append(await asyncio.to_thread(EngineServer, name, path, n_kv, self.engine_config))
         # the same per-model thread plan as the router's: a baseline gets every advantage we take
         threads = plan_threads([srv.engine.num_params for srv in self.servers])
-        share = CoreShare.plan([srv.engine.runner for srv in self.servers], threads)
+        share = CoreShare.plan([srv.engine for srv in self.servers], threads)
         for i, (srv, t) in enumerate(zip(self.servers, threads)):
             srv.set_threads(t)
-            if share is not None:
-                srv.run_step = share.step_fn(i, srv._step)
-        for s in self.servers:
-            await s.start()
+            await srv.start(share, i)
         return self
 
     async def __aexit__(self, *exc) -> None:

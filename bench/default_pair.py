@@ -14,7 +14,7 @@ how well it agrees with the large model, and how the pair routes and answers, in
    "equally correct": the pair's answer contains an expected keyword exactly when the large
    model's does.
 
-    python bench/default_pair.py [--rounds 3] [--taus 0.05,0.1,0.15,0.2,0.3] [--quick]
+    python bench/default_pair.py [--rounds 3] [--taus 0.1,0.15,0.2,0.25,0.3,0.4] [--quick]
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import torch
 from aiorouter import Router
 from aiorouter.cpu_threads import plan_threads
 from bench.common import OutsideLoad, write_json
-from engines import Engine
+from engines import Engine, EngineConfig
 from engines.default_model import default_pair, truncated_model_path
 
 # (question, words of which one must appear in a correct answer), lower case
@@ -64,7 +64,8 @@ def correct(text: str, keywords: tuple[str, ...]) -> bool:
 def candidates(quick: bool) -> dict[str, dict]:
     """Small-model candidates: Engine keyword arguments. The first is the default."""
     pair = default_pair()
-    out = {"int4": {"model_path": pair["small"]}, "int8": {"model_path": pair["large"], "quantization": "int8"},
+    out = {"int4": {"model_path": pair["small"]},
+           "int8": {"model_path": pair["large"], "config": EngineConfig(quantization="int8")},
            "bf16": {"model_path": pair["large"], "dtype": "bfloat16"},
            "first10 (old default)": {"model_path": truncated_model_path(pair["large"], 10)}}
     return dict(list(out.items())[:2]) if quick else out
@@ -75,25 +76,28 @@ def chat_ids(tokenizer, question: str) -> list[int]:
     return list(ids if isinstance(ids, list) else ids["input_ids"])
 
 
-def decode_ms(eng: Engine, prompts: list[list[int]], batch: int, n: int) -> float:
-    """One decode step at `batch`, from two generate calls whose prompts the prefix cache holds."""
+def decode_ms(eng: Engine, prompts: list[list[int]], batch: int, n: int) -> tuple[float, float]:
+    """One decode step at `batch` -> (wall ms, this thread's CPU ms), from two generate calls whose
+    prompts the prefix cache holds. The CPU time is the whole step's when torch runs 1 thread
+    (its intra-op work then runs inline): it leaves out the time other processes take the core."""
     ps = [prompts[i % len(prompts)] for i in range(batch)]
     eng.generate(ps, max_tokens=1, temperature=0.0, ignore_eos=True)  # fills the prefix cache
-    t0 = time.perf_counter()
-    eng.generate(ps, max_tokens=1, temperature=0.0, ignore_eos=True)
-    t1 = time.perf_counter()
-    eng.generate(ps, max_tokens=1 + n, temperature=0.0, ignore_eos=True)
-    t2 = time.perf_counter()
-    return ((t2 - t1) - (t1 - t0)) / n * 1e3
+    marks = []
+    for tokens in (1, 1 + n):
+        marks.append((time.perf_counter(), time.thread_time()))
+        eng.generate(ps, max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    marks.append((time.perf_counter(), time.thread_time()))
+    (w0, c0), (w1, c1), (w2, c2) = marks
+    return ((w2 - w1) - (w1 - w0)) / n * 1e3, ((c2 - c1) - (c1 - c0)) / n * 1e3
 
 
 def step_costs(engines: dict[str, Engine], prompts, batches, rounds: int, n: int) -> dict:
     """engines: the large model first, then the small candidates. -> {setting: {batch: {small:
-    {threads, large_ms, small_ms, ratio}}}}; every figure a median over rounds, all interleaved."""
+    {threads, large_ms, small_ms, ratio[, cpu ...]}}}}: medians over rounds, all interleaved."""
     (large, *smalls) = engines
     plan = {s: plan_threads([engines[large].num_params, engines[s].num_params]) for s in smalls}
     settings = {"plan": plan, "equal-1": {s: [1, 1] for s in smalls}, "equal-2": {s: [2, 2] for s in smalls}}
-    samples: dict[tuple[str, int, int], list[float]] = {}  # (model, threads, batch) -> ms
+    samples: dict[tuple[str, int, int], list[tuple[float, float]]] = {}  # (model, threads, batch)
 
     def sample(name: str, threads: int, b: int) -> None:
         torch.set_num_threads(threads)
@@ -106,17 +110,38 @@ def step_costs(engines: dict[str, Engine], prompts, batches, rounds: int, n: int
             for s in smalls:
                 for ts in sorted({per[s][1] for per in settings.values()}):
                     sample(s, ts, b)
-    med = {k: statistics.median(v) for k, v in samples.items()}
+    wall = {k: statistics.median(w for w, _ in v) for k, v in samples.items()}
+    cpu = {k: statistics.median(c for _, c in v) for k, v in samples.items()}
     out: dict = {}
     for key, per in settings.items():
         for b in batches:
             for s in smalls:
                 tl, ts = per[s]
-                lg, sm = med[(large, tl, b)], med[(s, ts, b)]
-                out.setdefault(key, {}).setdefault(str(b), {})[s] = {
-                    "threads": {"large": tl, "small": ts}, "large_ms": round(lg, 2), "small_ms": round(sm, 2),
-                    "ratio": round(sm / lg, 3)}
+                lg, sm = wall[(large, tl, b)], wall[(s, ts, b)]
+                row = {"threads": {"large": tl, "small": ts}, "large_ms": round(lg, 2), "small_ms": round(sm, 2),
+                       "ratio": round(sm / lg, 3)}
+                if tl == ts == 1:
+                    lc, sc = cpu[(large, 1, b)], cpu[(s, 1, b)]
+                    row.update(large_cpu_ms=round(lc, 2), small_cpu_ms=round(sc, 2), cpu_ratio=round(sc / lc, 3))
+                out.setdefault(key, {}).setdefault(str(b), {})[s] = row
     return out
+
+
+def breakdown(eng: Engine, prompts: list[list[int]], batch: int, n: int = 4) -> dict[str, float]:
+    """Where one thread's decode step goes: ms per step in linear layers, attention and the rest."""
+    groups = {"linear": ("mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu", "aten::_int_mm",
+                         "aten::_weight_int8pack_mm", "aten::addmm", "aten::mm"),
+              "attention": ("aiorouter_cpu::paged_attention",)}
+    torch.set_num_threads(1)
+    ps = [prompts[i % len(prompts)] for i in range(batch)]
+    eng.generate(ps, max_tokens=1, temperature=0.0, ignore_eos=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        eng.generate(ps, max_tokens=1 + n, temperature=0.0, ignore_eos=True)
+    ev = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in ev)
+    out = {g: sum(e.self_cpu_time_total for e in ev if e.key in names) for g, names in groups.items()}
+    out["other"] = total - sum(out.values())
+    return {g: round(v / 1e3 / (1 + n), 2) for g, v in out.items()}  # ms per step (prefill step included)
 
 
 def forced_agreement(eng: Engine, prompts: list[list[int]], answers: list[list[int]]) -> float:
@@ -144,16 +169,17 @@ async def ask(models: dict, policy: str, policy_args: dict, questions, max_token
                                                  temperature=0.0) for q, _ in questions))
 
 
-def routing(pair: dict, settings: list[tuple[str, dict]], questions, max_tokens: int) -> tuple[list, list[dict]]:
-    """-> (the large model's answers alone, one row per policy setting)."""
+def routing(pair: dict, settings: list[tuple[str, dict, Path]], questions, max_tokens: int) -> tuple[list, list[dict]]:
+    """settings: (policy, args, small model path). -> (the large model's answers alone, one row per setting)."""
     alone = asyncio.run(ask({"large": pair["large"]}, "single", {}, questions, max_tokens))
     ref = [(a.text, a.token_ids) for a in alone]
     rows = []
-    for policy, args in settings:
-        res = asyncio.run(ask(pair, policy, args, questions, max_tokens))
+    for policy, args, small_path in settings:
+        res = asyncio.run(ask({"small": small_path, "large": pair["large"]}, policy, args, questions, max_tokens))
         small = sum(a.usage["per_model"]["small"] for a in res)
         total = sum(a.usage["completion_tokens"] for a in res)
-        rows.append({"policy": policy, "args": args, "small_share": round(small / max(1, total), 3),
+        rows.append({"policy": policy, "args": args, "small": Path(small_path).name,
+                     "small_share": round(small / max(1, total), 3),
                      "completion_tokens": total, **compare([(a.text, a.token_ids) for a in res], ref, questions),
                      "answers": [a.text for a in res]})
     return ref, rows
@@ -161,7 +187,8 @@ def routing(pair: dict, settings: list[tuple[str, dict]], questions, max_tokens:
 
 def pick(rows: list[dict], min_share: float = 0.5, min_match: float = 0.8) -> dict | None:
     """The rstitch setting with the largest small share among those meeting both targets."""
-    ok = [r for r in rows if r["policy"] == "rstitch" and r["small_share"] >= min_share and r["exact_match"] >= min_match]
+    ok = [r for r in rows if r["policy"] == "rstitch" and r["small"] == rows[0]["small"]
+          and r["small_share"] >= min_share and r["exact_match"] >= min_match]
     return max(ok, key=lambda r: (r["small_share"], r["exact_match"])) if ok else None
 
 
@@ -170,7 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="step-cost rounds (medians over them)")
     ap.add_argument("--steps", type=int, default=12, help="decode steps per step-cost sample")
     ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--taus", default="0.05,0.1,0.15,0.2,0.3", help="rstitch thresholds to sweep")
+    ap.add_argument("--taus", default="0.1,0.15,0.2,0.25,0.3,0.4", help="rstitch thresholds to sweep")
     ap.add_argument("--random-p", type=float, default=0.35, help="also route with `random` at this p (0: skip)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--quick", action="store_true", help="int4 and int8 only, one round, two taus")
@@ -189,6 +216,7 @@ def main(argv=None) -> int:
     with OutsideLoad() as load:
         costs = step_costs(engines, prompts, batches, args.rounds, args.steps)
     cost_s = time.perf_counter() - t0
+    split = {name: {str(b): breakdown(engines[name], prompts, b) for b in batches} for name in ("large", next(iter(cands)))}
 
     torch.set_num_threads(2)
     large_out = engines["large"].generate(prompts, max_tokens=args.max_tokens, temperature=0.0)
@@ -200,14 +228,17 @@ def main(argv=None) -> int:
                            "alone_vs_large": compare([(o.text, o.token_ids) for o in alone], ref, questions)}
     del engines
 
-    settings = [("rstitch", {"tau": float(t)}) for t in args.taus.split(",")]
+    settings = [("rstitch", {"tau": float(t)}, pair["small"]) for t in args.taus.split(",")]
     if args.random_p:
-        settings.append(("random", {"p": args.random_p}))
+        settings.append(("random", {"p": args.random_p}, pair["small"]))
+    if not args.quick:  # the former default pair and policy, for comparison
+        settings.append(("rstitch", {"tau": 0.03}, truncated_model_path(pair["large"], 10)))
     ref_router, rows = routing(pair, settings, questions, args.max_tokens)
     chosen = pick(rows)
     path = write_json("default_pair", {
         "pair": {k: str(v) for k, v in pair.items()}, "questions": [q for q, _ in questions], "max_tokens": args.max_tokens,
         "step_cost": costs, "step_cost_seconds": round(cost_s, 1), "step_cost_outside_load_cores": load.cores,
+        "step_breakdown_1_thread_ms": split,
         "agreement": agreement, "large_alone_answers": [t for t, _ in ref_router], "routing": rows,
         "chosen": None if chosen is None else {"policy": chosen["policy"], "args": chosen["args"]}})
     print(f"step cost, small / large (other processes used {load.cores or 0:.2f} cores meanwhile):")
@@ -216,13 +247,17 @@ def main(argv=None) -> int:
         for b, per in per_b.items():
             print(f"| {key} | {b} | " + " | ".join(f"{v['small_ms']:.1f}/{v['large_ms']:.1f} ms = {v['ratio']:.2f}"
                                                    for v in per.values()) + " |")
+            if key == "equal-1":
+                print(f"| equal-1, CPU time | {b} | " + " | ".join(
+                    f"{v['small_cpu_ms']:.1f}/{v['large_cpu_ms']:.1f} ms = {v['cpu_ratio']:.2f}" for v in per.values()) + " |")
+    print(f"1-thread step breakdown (ms per step: linear / attention / other): {split}")
     print("\n| candidate | top-1 agreement | alone: exact | alone: equally correct |\n|---|---:|---:|---:|")
     for name, a in agreement.items():
         print(f"| {name} | {a['teacher_forced_top1']:.3f} | {a['alone_vs_large']['exact_match']:.2f} | "
               f"{a['alone_vs_large']['equally_correct']:.2f} |")
-    print("\n| policy | small share | exact match | equally correct | correct (large alone) |\n|---|---:|---:|---:|---:|")
+    print("\n| small | policy | small share | exact match | equally correct | correct (large alone) |\n|---|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['policy']} {r['args']} | {r['small_share']:.2f} | {r['exact_match']:.2f} | {r['equally_correct']:.2f} | "
+        print(f"| {r['small']} | {r['policy']} {r['args']} | {r['small_share']:.2f} | {r['exact_match']:.2f} | {r['equally_correct']:.2f} | "
               f"{r['correct']} ({r['large_alone_correct']}) |")
     print(f"\nchosen: {None if chosen is None else (chosen['policy'], chosen['args'])}\nwrote {path}")
     return 0

@@ -33,7 +33,7 @@ async def run_mode(mode: str, n: int, prompts, tokens: int, total: int, small: P
         await r.wait_tuned()
         res = await closed_loop(send, n, prompts, total)
         out = res.summary()
-        out["thresholds"] = dict(zip(r.names, r._thresholds[min(n, r.max_concurrency)]))
+        out["thresholds"] = r.thresholds(n)
         out["mean_batch"] = {k: m.mean_batch_size for k, m in r.metrics.models.items()}
         return out
 

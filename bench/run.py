@@ -126,7 +126,6 @@ async def _router_run(pair: Pair, system: str, wl: W.Workload, n: int, total: in
             async for ev in r.stream(p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
                 yield ev.model
 
-        computed = _count_computed(r)
         wait_tuned = getattr(r, "wait_tuned", None)
         if wait_tuned is not None:  # measure the tuned thresholds, not the B=1 stand-in used while solving
             await wait_tuned()
@@ -135,12 +134,13 @@ async def _router_run(pair: Pair, system: str, wl: W.Workload, n: int, total: in
             m.steps, m.step_time_sum, m.admission_delay_sum, m.admission_delay_count = 0, 0.0, 0.0, 0
             m.batch_sizes.clear()
         r.metrics.handoffs.clear()
-        computed.clear()
+        before = _computed(r)
         res = await closed_loop(send, n, wl.prompts, total)
+        computed = {k: v - before[k] for k, v in _computed(r).items()}
         out = res.summary()
         out["tokens_computed"] = dict(computed)  # tokens each model ran through its layers (extends included)
         if system in ROUTER_MODES:
-            out["thresholds"] = dict(zip(r.names, r._thresholds[min(max(n, 1), r.max_concurrency)]))
+            out["thresholds"] = r.thresholds(n)
             out["handoffs"] = sum(r.metrics.handoffs.values())
         out["mean_batch"] = {k: m.mean_batch_size for k, m in r.metrics.models.items()}
         out["steps"] = {k: m.steps for k, m in r.metrics.models.items()}
@@ -150,20 +150,9 @@ async def _router_run(pair: Pair, system: str, wl: W.Workload, n: int, total: in
         return out
 
 
-def _count_computed(r) -> dict:
-    """Instrument each subserver's runner (an instance attribute on the bench's own router; no
-    runtime code changes) to count the tokens every model computes, prefill and catch-up
-    extends included."""
-    counts: dict[str, int] = {}
-    for s in r.subservers:
-        run = s.engine.runner.run
-
-        def counting(batch, want_hidden=False, _run=run, _name=s.name):
-            counts[_name] = counts.get(_name, 0) + sum(n for _, n in batch)
-            return _run(batch, want_hidden)
-
-        s.engine.runner.run = counting
-    return counts
+def _computed(r) -> dict[str, int]:
+    """Tokens each model has run through its layers so far (prefill, decode and catch-up extends)."""
+    return {s.name: s.engine.stats.num_prefill_tokens + s.engine.stats.num_decode_tokens for s in r.subservers}
 
 
 async def _std_run(pair: Pair, wl: W.Workload, n: int, total: int, opts: Opts) -> dict:

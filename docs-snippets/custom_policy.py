@@ -7,16 +7,15 @@ class LowConfidence(Policy):
     below `threshold`; the large model writes that one token and hands straight back."""
     name, num_models, threshold = "low-confidence", 2, 0.5
 
-    def route(self, model, result):                     # once per step, for the whole batch
-        if model == 1:
-            return [1] * len(result.reqs)               # large: always back to its peer 1, the small one
+    def route(self, result):                            # after each step, for the whole batch
+        if result.model == 1:
+            return [1] * len(result.reqs)               # large: back to its 1st peer, the small model
         top1 = result.logits.softmax(-1).max(-1).values
         return [1 if p < self.threshold else STAY for p in top1.tolist()]
 
-    def send(self, model, req, target):                 # what travels with a request that moves
-        seen = req.seen[target]                         # tokens the peer has already seen
-        keep = [req.sampled] if model == 1 else []      # commit the large model's token, drop the small's
-        return PeerReq(req.rid, req.token_ids[seen:] + keep, loc=seen)
+    def send(self, req):                                # what travels with a request that moves
+        keep = [req.sampled] if req.model == 1 else []  # commit the large model's token, drop the small's
+        return PeerReq(req.rid, req.token_ids[req.seen[req.peer]:] + keep, loc=req.loc)
 
 async def main(small, large, prompt="What is 2+2?", policy=None):
     async with Router({"small": small, "large": large}, policy=policy or LowConfidence()) as router:

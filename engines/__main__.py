@@ -24,13 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     ids = eng.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     ids = ids if isinstance(ids, list) else ids["input_ids"]
     seq = eng.add_request(ids, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
-    detok = eng._detok[seq.seq_id]
+    out = eng.output_of(seq)
     t0, shown = time.perf_counter(), 0
     while not seq.is_finished:
         eng.step()
-        sys.stdout.write(detok.text[shown:])
+        sys.stdout.write(out.text[shown:])
         sys.stdout.flush()
-        shown = len(detok.text)
+        shown = len(out.text)
     dt = time.perf_counter() - t0
     print(f"\n[{seq.num_output_tokens} tokens in {dt:.2f}s, {seq.num_output_tokens / dt:.1f} tok/s, finish={seq.finish_reason}]")
     return 0

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import torch
 
+from engines.quant import QUANTIZATIONS
+
 SUPPORTED_ARCHS = ("qwen3", "llama", "qwen2", "mistral")
+LOAD_FORMATS = ("safetensors", "dummy")
 
 
 @dataclass(frozen=True)
@@ -100,11 +103,26 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens per forward (prefill chunks included)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # "torch" | "cpu" | "triton" | "flashinfer"; None picks by device (engines.attention.select_backend)
+    attention_backend: str | None = None
+    cuda_graphs: bool = True  # replay captured graphs for small steps (one CUDA device; CPU has none)
+    # "safetensors": the checkpoint's weights; "dummy": random weights made on the device (normal,
+    # std = config.json's initializer_range, seed 0), for benchmarks and checks with no checkpoint
+    # on disk (a 32B model's weights would take minutes to write and read; these take a second)
+    load_format: str = "safetensors"
+    # "int4" | "int8": weight-only quantized linear layers (engines/quant.py); None: dense, unless the
+    # checkpoint's config.json asks for a scheme (engines.quant.CONFIG_KEY; the argument wins)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_kv_tokens", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"EngineConfig.load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"EngineConfig.quantization must be one of {', '.join(QUANTIZATIONS)} or None, "
+                             f"got {self.quantization!r}")
 
     @property
     def num_pages(self) -> int:

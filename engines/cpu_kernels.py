@@ -1,7 +1,7 @@
 """The C++ CPU kernels (engines/csrc): paged attention and RMSNorm, built as one extension.
 
 `load()` builds them on first use with the machine's C++ compiler (ninja is a dependency) and
-caches the build per source and CPU (it is compiled for the host's instruction set) under
+caches the build per source folder and CPU (it is compiled for the host's instruction set) under
 torch's extension directory: ~15 s once per machine. If they cannot be built, it warns once and
 returns None; callers then use torch ops (TorchBackend, `F.rms_norm`).
 """
@@ -18,13 +18,15 @@ import torch
 _SOURCES = [Path(__file__).parent / "csrc" / f for f in ("paged_attention_cpu.cpp", "rms_norm_cpu.cpp")]
 
 
-def _cpu_tag() -> str:
-    """Hash of the CPU's feature flags: a build made with -march=native is only valid there."""
+def _build_tag() -> str:
+    """Hash of the CPU's feature flags (a build made with -march=native is only valid there) and of
+    the sources' folder: torch's build.ninja names the source paths, so two checkouts sharing one
+    build folder would rebuild it in turn (~15 s each, under a lock every other process waits on)."""
     try:
         flags = next(l for l in open("/proc/cpuinfo") if l.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+    return hashlib.sha1((flags + str(_SOURCES[0].parent.resolve())).encode()).hexdigest()[:8]
 
 
 @functools.cache
@@ -33,7 +35,7 @@ def load():
     try:
         from torch.utils import cpp_extension
         from tqdm import tqdm
-        name = f"aiorouter_cpu_kernels_{_cpu_tag()}"
+        name = f"aiorouter_cpu_kernels_{_build_tag()}"
         with tqdm(total=1, desc="building the CPU kernels (once per machine)", leave=False, disable=None) as bar:
             cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], is_python_module=False,
                                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],

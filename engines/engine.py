@@ -4,19 +4,19 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence as Seq
+from typing import Callable, NamedTuple, Sequence as Seq
 
 import torch
 
 from engines.block_manager import BlockManager
 from engines.config import EngineConfig, ModelConfig
-from engines.detokenizer import IncrementalDetokenizer
 from engines.devices import parse_devices
-from engines.runner import ForwardOutput, ModelRunner
+from engines.output import OutputStream
+from engines.runner import ForwardOutput, ModelRunner, ScheduledSeq
 from engines.sampling import SamplingParams
 from engines.scheduler import Scheduler
 from engines.sequence import Sequence
-from engines.stop import check_stop
+from engines.streams import StreamFactory
 from engines.weights import load_model
 
 log = logging.getLogger("aiorouter.engine")
@@ -42,6 +42,16 @@ class GenerateOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
 
 
+class KVUsage(NamedTuple):
+    pages_total: int
+    pages_used: int  # referenced by live sequences
+    pages_free: int  # free now, or cached but evictable
+    pages_cached: int  # held by the prefix cache
+    prefix_matches: int  # admissions that ran prefix matching (a handoff-resume must not)
+    preemptions: int
+    parked: int  # sequences kept out of batches while a peer serves them
+
+
 @dataclass
 class EngineStats:
     num_steps: int = 0
@@ -52,10 +62,11 @@ class EngineStats:
 class Engine:
     def __init__(self, model_path: str | Path, device: str | torch.device = "cpu",
                  dtype: str | torch.dtype = "float32", config: EngineConfig | None = None,
-                 load_tokenizer: bool = True, attention_backend: str | None = None, cuda_graphs: bool = True,
-                 quantization: str | None = None):
+                 load_tokenizer: bool = True, streams: StreamFactory | None = None):
         """`device`: "cpu", "cuda:0", or a group "cuda:0,1" (layers split across it, in order).
-        `attention_backend`: "torch" | "cpu" | "triton" | "flashinfer"; None picks by device."""
+        The attention backend, CUDA graphs and random weights are `config`'s (EngineConfig).
+        `streams`: the factory of the CUDA streams of every model in this process (a router
+        passes its own; engines/streams.py); None: the runner makes one of its own."""
         self.path = Path(model_path)
         model_config = ModelConfig.from_dir(self.path)
         devices, dtype = parse_devices(device), parse_dtype(dtype)
@@ -63,10 +74,11 @@ class Engine:
         ecfg = self._fit_config(config or EngineConfig(), model_config)
         tokenizer = self._load_tokenizer() if load_tokenizer else None
         # a group loads on the host and the runner places each stage's layers on its device
-        model = load_model(self.path, model_config, dtype, device if len(devices) == 1 else torch.device("cpu"), quantization)
+        model = load_model(self.path, model_config, dtype, device if len(devices) == 1 else torch.device("cpu"),
+                           ecfg.load_format, ecfg.quantization)
         runner = ModelRunner(model, model_config, ecfg, dtype, device, max_model_len=ecfg.max_model_len,
-                             devices=devices, backend_name=attention_backend, cuda_graphs=cuda_graphs)
-        self._setup(model_config, ecfg, runner, tokenizer, device, dtype)
+                             devices=devices, streams=streams)
+        self._setup(model_config, ecfg, runner, tokenizer, devices, dtype)
         log.info("loaded %s (%s, %s): %d KV pages of %d tokens, max_model_len %d", self.path.name, ",".join(map(str, devices)),
                  str(dtype).removeprefix("torch."), ecfg.num_pages, ecfg.page_size, ecfg.max_model_len)
 
@@ -76,15 +88,35 @@ class Engine:
         cap = ecfg.num_pages * ecfg.page_size
         return replace(ecfg, max_model_len=min(ecfg.max_model_len or model_config.max_position_embeddings, cap))
 
-    def _setup(self, model_config: ModelConfig, ecfg: EngineConfig, runner, tokenizer, device: torch.device,
+    def _setup(self, model_config: ModelConfig, ecfg: EngineConfig, runner, tokenizer, devices: list[torch.device],
                dtype: torch.dtype) -> None:
         self.model_config, self.config, self.runner, self.tokenizer = model_config, ecfg, runner, tokenizer
-        self.device, self.dtype = device, dtype
+        self.devices, self.device, self.dtype = devices, devices[0], dtype  # a group's layers span its devices
         self.max_model_len: int = ecfg.max_model_len
         self.block_manager = BlockManager(ecfg.num_pages, ecfg.page_size, ecfg.enable_prefix_caching)
         self.scheduler = Scheduler(ecfg, self.block_manager)
         self.stats = EngineStats()
-        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._outputs: dict[int, OutputStream] = {}  # requests of add_request, by seq_id
+        self._reserved_rows = 0  # output rows past the token vocabulary (reserve_output_rows)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids this engine samples and accepts: the output rows less the reserved ones."""
+        return self.model_config.vocab_size - self.reserved_rows
+
+    @property
+    def reserved_rows(self) -> int:
+        return self._reserved_rows
+
+    def reserve_output_rows(self, n: int) -> None:
+        """The last `n` rows of the output head are not tokens (Co-LLM's deferral row is the one
+        past the vocabulary): they are never sampled, a prompt may not use them, and the step's
+        logits still carry them for whoever reads them. 0 undoes it."""
+        rows = self.model_config.vocab_size
+        if not 0 <= n < rows:
+            raise ValueError(f"cannot reserve {n} of the model's {rows} output rows")
+        self.runner.sample_vocab = rows - n if n else None
+        self._reserved_rows = n
 
     @property
     def num_params(self) -> int:
@@ -93,11 +125,25 @@ class Engine:
         return sum(p.numel() for p in model.parameters()) if model is not None else 0
 
     @classmethod
+    def from_model(cls, model, model_config: ModelConfig, device: str | torch.device = "cpu",
+                   dtype: str | torch.dtype = "float32", config: EngineConfig | None = None, tokenizer=None,
+                   streams: StreamFactory | None = None) -> "Engine":
+        """An engine around a model already in memory (`engines.model.CausalLM` on `device`, e.g. random
+        weights for a benchmark); several engines may share one model, its weights are read-only."""
+        device, dtype = torch.device(device), parse_dtype(dtype)
+        eng = cls.__new__(cls)
+        eng.path = None
+        ecfg = cls._fit_config(config or EngineConfig(), model_config)
+        runner = ModelRunner(model, model_config, ecfg, dtype, device, max_model_len=ecfg.max_model_len,
+                             streams=streams)
+        eng._setup(model_config, ecfg, runner, tokenizer, [device], dtype)
+        return eng
+
+    @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-                        attention_backend: str | None = None, **engine_config: object) -> "Engine":
-        """`engine_config`: EngineConfig fields (page_size, num_kv_tokens, ...)."""
-        return cls(path, device=device, dtype=dtype, config=EngineConfig(**engine_config),
-                   attention_backend=attention_backend)
+                        **engine_config: object) -> "Engine":
+        """`engine_config`: EngineConfig fields (page_size, num_kv_tokens, attention_backend, ...)."""
+        return cls(path, device=device, dtype=dtype, config=EngineConfig(**engine_config))
 
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
@@ -120,7 +166,7 @@ class Engine:
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("prompt is empty")
-        V = self.model_config.vocab_size
+        V = self.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V]
         if bad:
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {V})")
@@ -128,66 +174,109 @@ class Engine:
             raise ValueError(f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
                              "(prompt plus at least one generated token must fit)")
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
-        ids = self.tokenize(prompt)
-        self.validate_prompt(ids)
-        seq = Sequence(ids, params or SamplingParams())
+    def add(self, token_ids: list[int], sampling: SamplingParams, num_prompt_tokens: int | None = None,
+            user_data: object = None) -> Sequence:
+        """A new sequence for this engine (prefix matching and admission happen when it is scheduled).
+        The router adds a request's tokens as this model has seen them, with its own handle in user_data."""
+        seq = Sequence(token_ids, sampling, num_prompt_tokens=num_prompt_tokens or len(token_ids), user_data=user_data)
         self.scheduler.add(seq)
-        if self.tokenizer is not None:
-            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, ids)
         return seq
 
-    def abort(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq, "abort")
-        self._detok.pop(seq.seq_id, None)
+    def resume(self, seq: Sequence, new_tokens: list[int]) -> None:
+        """Handoff-resume: a parked sequence gets the tokens it has not seen and extends over them
+        with the KV pages it kept (no prefix matching, no new admission)."""
+        self.scheduler.resume(seq, new_tokens)
 
-    def has_unfinished(self) -> bool:
-        return len(self.scheduler) > 0
+    def park(self, seq: Sequence) -> None:
+        """Keep a sequence (and its KV) out of batches while something outside the engine serves it."""
+        self.scheduler.park(seq)
 
-    # -- stepping ----------------------------------------------------------------------------
-    def forward(self, want_hidden: bool = False) -> ForwardOutput | None:
-        """Schedule and run one step, committing the computed K/V. Tokens are not appended:
-        the caller decides (a router may discard them)."""
-        batch = self.scheduler.schedule()
-        if not batch:
-            return None
-        out = self.runner.run(batch, want_hidden)
+    def release(self, seq: Sequence, reason: str) -> None:
+        """The sequence is over here: its pages go back to the pool, full ones into the prefix cache."""
+        self.scheduler.finish(seq, reason)
+        self._outputs.pop(seq.seq_id, None)
+
+    @property
+    def num_ready(self) -> int:
+        """Sequences a step could compute now (parked ones excluded)."""
+        return self.scheduler.num_ready
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.scheduler)
+
+    def kv_usage(self) -> KVUsage:
+        bm = self.block_manager
+        return KVUsage(bm.num_pages, bm.num_used_pages, bm.num_free_pages, bm.num_cached_pages,
+                       bm.num_prefix_matches, self.scheduler.num_preemptions, len(self.scheduler.parked))
+
+    @property
+    def layer_hook(self) -> Callable[[], None] | None:
+        return getattr(self.runner, "layer_hook", None)
+
+    def set_layer_hook(self, hook: Callable[[], None] | None) -> None:
+        """Called before each layer of a CPU step, in the stepping thread (aiorouter's CoreShare
+        resizes that thread's OpenMP team there)."""
+        self.runner.layer_hook = hook
+
+    # -- one step: schedule -> execute -> finish -----------------------------------------------
+    def schedule(self) -> list[ScheduledSeq]:
+        """Pick this step's sequences and reserve their KV (on the owner's thread: the event loop)."""
+        return self.scheduler.schedule()
+
+    def execute(self, batch: list[ScheduledSeq], want_hidden: bool = False) -> ForwardOutput:
+        """Run the forward and sample. Touches only the runner, so the router calls it in the model's
+        worker thread while the loop goes on."""
+        return self.runner.run(batch, want_hidden)
+
+    def finish(self, batch: list[ScheduledSeq], out: ForwardOutput) -> ForwardOutput:
+        """The batch's K/V are written: advance the sequences and count the step. Tokens are not
+        appended: the caller decides (`Engine.step` commits them; a router may discard them)."""
         self.scheduler.commit(batch)
-        self.stats.num_steps += 1
+        st = self.stats
+        st.num_steps += 1
         for seq, n in batch:
             if n == 1 and seq.num_computed_tokens > seq.num_prompt_tokens:
-                self.stats.num_decode_tokens += 1
+                st.num_decode_tokens += 1
             else:
-                self.stats.num_prefill_tokens += n
+                st.num_prefill_tokens += n
         return out
 
-    def append_token(self, seq: Sequence, token: int) -> str | None:
-        """Commit one token; returns the finish reason if the sequence is now done."""
-        seq.token_ids.append(token)
-        detok = self._detok.get(seq.seq_id)
-        if detok is not None:
-            detok.add(token)
-        reason, cut = check_stop(seq.sampling, token, seq.num_output_tokens, detok.text if detok else None,
-                                 self.model_config.eos_token_ids, len(seq.token_ids), self.max_model_len)
-        if cut is not None:
-            seq.stop_text_len = cut
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-        return reason
+    def forward(self, want_hidden: bool = False) -> ForwardOutput | None:
+        """One step without committing tokens (tests and tools that choose the token themselves)."""
+        batch = self.schedule()
+        return self.finish(batch, self.execute(batch, want_hidden)) if batch else None
 
     def step(self) -> list[Sequence]:
         """One continuous-batching step; returns the sequences that finished in it."""
         out = self.forward()
-        if out is None:
-            return []
-        return [seq for seq, tok in zip(out.seqs, out.next_tokens) if self.append_token(seq, tok)]
+        return [] if out is None else [s for s, t in zip(out.seqs, out.next_tokens) if self.append_token(s, t)]
 
-    def text_of(self, seq: Sequence) -> str:
-        detok = self._detok.get(seq.seq_id)
-        if detok is None:
-            return ""
-        text = detok.text + (detok.flush() if seq.is_finished else "")
-        return text[:seq.stop_text_len] if seq.stop_text_len is not None else text
+    # -- the engine alone: requests with text (vLLM's LLM in spirit) ----------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
+        ids = self.tokenize(prompt)
+        self.validate_prompt(ids)
+        seq = self.add(ids, params or SamplingParams())
+        self._outputs[seq.seq_id] = OutputStream(seq.token_ids, seq.num_prompt_tokens, seq.sampling,
+                                                 self.model_config.eos_token_ids, self.max_model_len, self.tokenizer)
+        return seq
+
+    def append_token(self, seq: Sequence, token: int) -> str | None:
+        """Commit one token of a request added with `add_request`; returns the finish reason if it is now done."""
+        reason = self._outputs[seq.seq_id].append(token).finish_reason
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return reason
+
+    def output_of(self, seq: Sequence) -> OutputStream:
+        """The output (tokens, streamed text, finish reason) of a request added with `add_request`."""
+        return self._outputs[seq.seq_id]
+
+    def abort(self, seq: Sequence) -> None:
+        self.release(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.num_unfinished > 0
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  *, use_tqdm: bool = False, **params: object) -> list[GenerateOutput]:
@@ -222,8 +311,8 @@ class Engine:
         finally:
             if pbar is not None:
                 pbar.close()
-        outs = [GenerateOutput(s.token_ids[:s.num_prompt_tokens], s.output_ids, self.text_of(s), s.finish_reason or "",
-                               s.num_cached_tokens) for s in seqs]
+        outs = [GenerateOutput(s.token_ids[:s.num_prompt_tokens], s.output_ids, self.output_of(s).text,
+                               s.finish_reason or "", s.num_cached_tokens) for s in seqs]
         for s in seqs:
-            self._detok.pop(s.seq_id, None)
+            self._outputs.pop(s.seq_id, None)
         return outs

@@ -6,6 +6,7 @@ it learns that from the per-step `AttnContext` passed down (no global state).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, NamedTuple
 
@@ -51,6 +52,9 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
 
+    def reset_parameters(self) -> None:
+        _init_unless_meta(self, super().reset_parameters)
+
     def pack(self, keep_dense: bool = False) -> bool:
         """Pack the weight for oneDNN; False (and unchanged) where oneDNN cannot run it."""
         if self.packed is not None:
@@ -77,6 +81,18 @@ class Linear(nn.Linear):
         if self.packed is not None:
             return _onednn_linear(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def _init_unless_meta(module: nn.Module, init: Callable[[], None]) -> None:
+    """Random init, except on meta tensors (a model built there to be loaded): they hold no values,
+    and initialising them still imports torch._dynamo, ~2.5 s of every engine's start."""
+    if not module.weight.is_meta:
+        init()
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        _init_unless_meta(self, super().reset_parameters)
 
 
 class RMSNorm(nn.Module):
@@ -217,7 +233,7 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -238,10 +254,13 @@ class CausalLM(nn.Module):
             dev = ctx.cos.device  # peer copies, ordered by torch
             x = x.to(dev, non_blocking=True)
             residual = residual.to(dev, non_blocking=True) if residual is not None else None
-            for i in layers:
-                if between_layers is not None:
-                    between_layers()
-                x, residual = self.layers[i](x, ctx, residual)
+            # a group's stage runs with its device current (Triton launches there), switched once
+            # per stage; one device: the caller's (ModelRunner's) current device already is it
+            with torch.cuda.device(dev) if dev.type == "cuda" and len(stages) > 1 else contextlib.nullcontext():
+                for i in layers:
+                    if between_layers is not None:
+                        between_layers()
+                    x, residual = self.layers[i](x, ctx, residual)
         return self.norm.add_forward(x, residual)[0] if residual is not None else self.norm(x)
 
     def place(self, devices: list[torch.device], ranges: list[range]) -> None:

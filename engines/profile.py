@@ -42,3 +42,13 @@ def profile_decode_latency(engine: Engine, batch_sizes: list[int], steps: int = 
             for s in seqs:
                 bm.free(s)
     return out
+
+
+def runner_info(engine: Engine) -> dict:
+    """What an engine runs on, for benchmark records: attention backend, captured graphs (count,
+    replays so far, their backend) and its streams (raw handles; none on CPU)."""
+    r = engine.runner
+    g = r.graphs
+    return {"backend": type(r.backend).__name__, "graphs": len(g.graphs) if g else 0,
+            "graph_replays": g.num_replays if g else 0, "graph_backend": type(g.backend).__name__ if g else None,
+            "streams": [hex(s.cuda_stream) for s in r.streams if s is not None]}

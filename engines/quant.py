@@ -26,8 +26,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engines.quant_formats import (COMPUTE_DTYPE, check_shape, int4_cuda_bytes, int4_inner_k_tiles,
-                                   int4_scales_and_zeros, quantize_int4, quantize_int8)
+from engines.quant_formats import (
+    COMPUTE_DTYPE,
+    check_shape,
+    int4_cuda_bytes,
+    int4_inner_k_tiles,
+    int4_scales_and_zeros,
+    quantize_int4,
+    quantize_int8,
+)
 
 # scheme -> (method for decoder linears, method for the output head; None keeps it dense)
 SCHEMES: dict[str, tuple[str, str | None]] = {"int4": ("int4", "w8a8"), "int8": ("int8", "w8a8")}
@@ -114,16 +121,15 @@ class QuantLinear(nn.Module):
 
 
 def quantize_model(model: nn.Module, scheme: str, group_size: int = 32) -> int:
-    """Replace the `engines.model.Linear` layers of a loaded model by QuantLinears, in place on the
-    weights' device, as `scheme` says (SCHEMES). A tied head gets its own quantized copy; the
-    embedding keeps the dense table. Returns how many layers were quantized."""
-    from engines.model import Linear
+    """Replace the linear layers (`nn.Linear`, as `engines.model.Linear` is) of a loaded model by
+    QuantLinears, in place on the weights' device, as `scheme` says (SCHEMES). A tied head gets its
+    own quantized copy; the embedding keeps the dense table. Returns how many were quantized."""
     body, head = SCHEMES[check_quantization(scheme)]
     dev = next(model.parameters()).device
     if dev.type == "cuda" and head == "w8a8":
         head = None  # torch._int_mm needs > 16 rows there; the head stays dense (bf16 on GPUs)
     n = 0
-    for name, lin in [(n_, m) for n_, m in model.named_modules() if isinstance(m, Linear)]:
+    for name, lin in [(n_, m) for n_, m in model.named_modules() if isinstance(m, nn.Linear)]:
         method = head if name == "lm_head" else body
         if method is None:
             continue

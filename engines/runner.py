@@ -14,13 +14,15 @@ from typing import Callable, NamedTuple
 import torch
 
 from engines import cpu_kernels
-from engines.attention import AttentionBackend, BatchLayout, select_backend
+from engines.attention import AttentionBackend, BatchLayout, has_module, select_backend
 from engines.config import EngineConfig, ModelConfig
+from engines.cuda_graph import DECODE_BUCKETS, StepGraphs
 from engines.devices import LayerSlice, StageKV, host_tensor, split_layers
 from engines.kv_cache import KVPool
 from engines.model import AttnContext, CausalLM, rope_cache, signed_sin
 from engines.sampling import sample, sample_batched
 from engines.sequence import Sequence
+from engines.streams import StreamFactory
 
 
 class ScheduledSeq(NamedTuple):
@@ -32,7 +34,8 @@ class ForwardOutput(NamedTuple):
     """One row per sequence that reached the end of its known tokens (so has a next token)."""
 
     seqs: list[Sequence]
-    logits: torch.Tensor  # [B, vocab] float32, raw (before temperature or filtering)
+    logits: torch.Tensor  # [B, rows] float32, raw (before temperature or filtering): every output row,
+    # reserved ones too (rows = vocab + reserved; see Engine.reserve_output_rows)
     next_tokens: list[int]  # [B] sampled with each sequence's SamplingParams
     hidden: torch.Tensor | None  # [B, hidden] final-normed last hidden state, when asked for
 
@@ -50,10 +53,11 @@ class Stage(NamedTuple):
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: ModelConfig, ecfg: EngineConfig, dtype: torch.dtype,
                  device: torch.device, backend: AttentionBackend | None = None, max_model_len: int = 4096,
-                 devices: list[torch.device] | None = None, backend_name: str | None = None,
-                 cuda_graphs: bool = True):
+                 devices: list[torch.device] | None = None, streams: StreamFactory | None = None):
         """`devices`: a group (pipeline stages, `engines.devices.parse_devices`); `device` is its first.
-        `backend` (an instance, single device) or `backend_name` forces the attention backend."""
+        `backend` (an instance, single device) or `ecfg.attention_backend` forces the attention
+        backend; `ecfg.cuda_graphs` captures small steps (CUDA, one device). `streams`: the factory
+        of the process's model streams (engines/streams.py; one of its own when None)."""
         devices = devices or [device]
         self.model, self.cfg, self.dtype, self.device = model, cfg, dtype, devices[0]
         self.page_size, self.max_model_len, self.max_num_seqs = ecfg.page_size, max_model_len, ecfg.max_num_seqs
@@ -75,40 +79,50 @@ class ModelRunner:
             else:  # this stage's layers only, indexed by global layer id
                 pool = KVPool(_with_layers(cfg, len(layers)), ecfg.num_pages, ecfg.page_size, dtype, dev)
                 kv = StageKV(LayerSlice(pool.k, layers.start), LayerSlice(pool.v, layers.start))
-            be = backend if backend is not None and len(devices) == 1 else select_backend(dev, backend_name)
+            be = backend if backend is not None and len(devices) == 1 else select_backend(dev, ecfg.attention_backend)
             if hasattr(be, "bind"):  # backends that plan for fixed head shapes (flashinfer)
                 be.bind(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype)
             self.stages.append(Stage(dev, layers, kv, be, cos.to(dev), sin.to(dev)))
         self.kv, self.backend = self.stages[0].kv, self.stages[0].backend
         self.cuda = self.device.type == "cuda"
-        # one stream per device: this model's kernels queue apart from every other model's
-        self.streams = [torch.cuda.Stream(d) for d in devices] if self.cuda else []
-        for st in self.streams:
-            st.wait_stream(torch.cuda.current_stream(st.device))  # after the weight and KV set-up
-        self.graphs = None
+        # one stream per device, made for this runner alone (None on CPU): this model's kernels
+        # and graph captures queue apart from every other model's
+        streams = streams or StreamFactory()
+        self.streams = [streams.stream(d, f"model runner {id(self):#x} (stage {i})") for i, d in enumerate(devices)]
+        if self.cuda:
+            for st in self.streams:
+                st.wait_stream(torch.cuda.current_stream(st.device))  # after the weight and KV set-up
+        self.graphs: StepGraphs | None = None
+        # sample token ids below this (None: every output row); the rows past it are not tokens
+        # (Co-LLM's deferral row): the engine reserves them, a routing policy reads them
+        self.sample_vocab: int | None = None
         # called before each layer of a CPU step, in the stepping thread (an owner sharing the
         # cores between models adjusts this thread's intra-op threads there); None: nothing
         self.layer_hook: Callable[[], None] | None = None
-        if self.cuda and cuda_graphs and len(devices) == 1:
-            self.graphs = self._make_graphs()
+        if self.cuda and ecfg.cuda_graphs and len(devices) == 1:
+            self.capture_graphs()
 
-    def _make_graphs(self):
-        """Graphs for small steps, captured now. A backend that cannot be captured (flashinfer plans
-        into its own buffers) leaves small steps to the Triton backend when triton is installed:
-        both read the same pool."""
-        from engines.attention import _has
-        from engines.cuda_graph import DECODE_BUCKETS, StepGraphs
-        be = self.backend
+    def capture_graphs(self, backend: AttentionBackend | None = None, **buckets: tuple[int, ...]) -> StepGraphs | None:
+        """Capture graphs for small steps on this runner's stream (on CPU: StepGraphs' stand-in,
+        which tests use) and replay them from now on. `backend` must be graph-safe; by default
+        this runner's backend, or, when that cannot be captured (flashinfer plans into its own
+        buffers), the Triton backend when triton is installed (both read the same pool; None
+        without it). `buckets`: StepGraphs' decode_buckets / seq_buckets / token_buckets."""
+        if len(self.stages) > 1:
+            raise ValueError("CUDA graphs are captured for one-device runners only (a device group runs eagerly)")
+        be = backend or self.backend
         if not be.graph_safe:
-            if not _has("triton"):
+            if not has_module("triton"):
                 return None
-            from engines.triton_backend import TritonBackend
+            from engines.attention.triton_backend import TritonBackend
             be = TritonBackend()
-        decode = tuple(b for b in DECODE_BUCKETS if b < self.max_num_seqs) + (self.max_num_seqs,)  # no bigger batch runs
+        # no bigger batch than max_num_seqs ever runs
+        buckets.setdefault("decode_buckets", tuple(b for b in DECODE_BUCKETS if b < self.max_num_seqs) + (self.max_num_seqs,))
         graphs = StepGraphs(self._forward_one, be, self.page_size, -(-self.max_model_len // self.page_size),
-                            self.device, decode_buckets=decode)
+                            self.device, self.streams[0], **buckets)
         with self._on_streams():
             graphs.capture()
+        self.graphs = graphs
         return graphs
 
     def _forward_one(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: object,
@@ -128,7 +142,8 @@ class ModelRunner:
         return stack
 
     def layout(self, batch: list[ScheduledSeq]) -> tuple[BatchLayout, torch.Tensor, torch.Tensor]:
-        """-> (layout, input_ids [T], positions [T]). `batch` must list decodes first."""
+        """-> (layout, input_ids [T], positions [T]), on the host (pinned on CUDA): a graph replay
+        stages them into its own buffers, an eager step copies them up. `batch` lists decodes first."""
         ps = self.page_size
         ids: list[int] = []
         pos: list[int] = []
@@ -144,31 +159,31 @@ class ModelRunner:
             slots.extend(bt[t // ps] * ps + t % ps for t in range(c, c + n))
             q_lens.append(n)
             kv_lens.append(c + n)
-        max_pages = max(len(s.block_table) for s, _ in batch)
-        bt = torch.zeros(len(batch), max_pages, dtype=torch.int64)
-        for i, (seq, _) in enumerate(batch):
-            bt[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
-        dev, i64 = self.device, torch.int64
-        if self.cuda:  # pinned, non-blocking: a pageable copy would wait for the stream
-            bt = bt.pin_memory()
-        layout = BatchLayout(num_decodes, q_lens, kv_lens, host_tensor(slots, i64, dev), bt.to(dev, non_blocking=True), ps,
-                             [seq.block_table for seq, _ in batch])
-        return layout, host_tensor(ids, i64, dev), host_tensor(pos, i64, dev)
+        tables = [seq.block_table for seq, _ in batch]
+        width = max(len(t) for t in tables)
+        bt = self._host([t + [0] * (width - len(t)) for t in tables])  # [B, width]
+        return BatchLayout(num_decodes, q_lens, kv_lens, self._host(slots), bt, ps, tables), self._host(ids), self._host(pos)
+
+    def _host(self, values: list) -> torch.Tensor:
+        """int64 on the host, pinned on CUDA: a copy from pageable memory would wait for the stream."""
+        return torch.tensor(values, dtype=torch.int64, pin_memory=self.cuda)
 
     def forward(self, layout: BatchLayout, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """-> hidden [T, hidden] on the last device: a graph replay when one fits, else eager."""
+        """Host layout -> hidden [T, hidden] on the last device: a graph replay when one fits, else eager."""
         if len(self.stages) == 1:
             key = self.graphs.key_for(layout) if self.graphs is not None else None
             if key is not None:
                 return self.graphs.run(key, layout, input_ids, positions)
-            return self._forward_one(input_ids, positions, self.backend.plan(layout))
+            dev = self.device
+            layout = layout._replace(slot_mapping=up(layout.slot_mapping, dev), block_tables=up(layout.block_tables, dev))
+            return self._forward_one(up(input_ids, dev), up(positions, dev), self.backend.plan(layout))
         ctxs = []
         for st in self.stages:  # the step's metadata on every device of the group
-            lay = layout._replace(slot_mapping=layout.slot_mapping.to(st.device, non_blocking=True),
-                                  block_tables=layout.block_tables.to(st.device, non_blocking=True))
-            pos = positions.to(st.device, non_blocking=True)
+            lay = layout._replace(slot_mapping=up(layout.slot_mapping, st.device),
+                                  block_tables=up(layout.block_tables, st.device))
+            pos = up(positions, st.device)
             ctxs.append((st.layers, AttnContext(st.backend, st.backend.plan(lay), st.kv, st.cos[pos], st.sin[pos])))
-        return self.model.forward_stages(input_ids, ctxs)
+        return self.model.forward_stages(up(input_ids, self.device), ctxs)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], want_hidden: bool = False) -> ForwardOutput:
@@ -183,23 +198,18 @@ class ModelRunner:
             if seq.num_computed_tokens + n == len(seq.token_ids):
                 rows.append(end - 1)
                 seqs.append(seq)
-        if not self.cuda:
-            layout, input_ids, positions = self.layout(batch)
-            hidden = self.forward(layout, input_ids, positions)  # [T, hidden]
-            if not rows:
-                return ForwardOutput([], torch.empty(0, self.cfg.vocab_size), [], None)
-            last = hidden[torch.tensor(rows, device=hidden.device)]  # [B, hidden]
-            logits = self.model.compute_logits(last)  # [B, vocab] fp32
-            tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
-            return ForwardOutput(seqs, logits.cpu(), tokens.tolist(), last.float().cpu() if want_hidden else None)
         with self._on_streams():
             layout, input_ids, positions = self.layout(batch)
-            hidden = self.forward(layout, input_ids, positions)
+            hidden = self.forward(layout, input_ids, positions)  # [T, hidden]
             if not rows:  # a prefill chunk: nothing to wait for (later steps queue behind it)
                 return ForwardOutput([], torch.empty(0, self.cfg.vocab_size), [], None)
             last = hidden[host_tensor(rows, torch.int64, hidden.device)]  # [B, hidden]
             logits = self.model.compute_logits(last)  # [B, vocab] fp32
-            tokens = sample_batched(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+            params, gens, V = [s.sampling for s in seqs], [s.generator for s in seqs], self.sample_vocab
+            if not self.cuda:
+                tokens = sample(logits[:, :V], params, gens)
+                return ForwardOutput(seqs, logits, tokens.tolist(), last.float() if want_hidden else None)
+            tokens = sample_batched(logits[:, :V], params, gens)
             # the step's only wait: copies into pinned memory, then one event, waited on in this thread
             host = [t.to("cpu", non_blocking=True) for t in (tokens, logits, last.float() if want_hidden else None)
                     if t is not None]
@@ -212,3 +222,8 @@ class ModelRunner:
 def _with_layers(cfg: ModelConfig, n: int) -> ModelConfig:
     from dataclasses import replace
     return replace(cfg, num_hidden_layers=n)
+
+
+def up(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor (pinned on CUDA) on `device`, without a stream sync; itself on the CPU."""
+    return t.to(device, non_blocking=True)

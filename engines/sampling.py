@@ -82,7 +82,7 @@ def _filter(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         probs = torch.softmax(x, -1)
         x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_p < 1.0:
-        sorted_x, idx = torch.sort(x, descending=True)
+        sorted_x, idx = torch.sort(x, descending=True, stable=True)  # ties: lower id first, as argmax
         cum = torch.softmax(sorted_x, -1).cumsum(-1)
         # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
         drop = (cum - torch.softmax(sorted_x, -1)) >= p.top_p
@@ -118,21 +118,31 @@ def sample_batched(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def _filter_batched(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
-    """x [R, V] scaled logits -> `_filter` applied to each row, in batched ops."""
+    """x [R, V] scaled logits -> `_filter` applied to each row, in batched ops. One sort serves
+    top-k, min-p and top-p (each masks a tail of the descending order, so the order holds) and
+    one scatter puts the row back: a [R, V] sort is the costliest op here (V = 151936 for Qwen3)."""
     dev, V = x.device, x.shape[-1]
     inf = float("-inf")
-    if any(p.top_k > 0 and p.top_k < V for p in ps):
+    top_k = any(p.top_k > 0 and p.top_k < V for p in ps)
+    min_p = any(p.min_p > 0.0 for p in ps)
+    top_p = any(p.top_p < 1.0 for p in ps)
+    if not (top_k or top_p):  # min-p alone needs no order
+        if min_p:
+            mp = host_tensor([p.min_p for p in ps], torch.float32, dev)
+            probs = torch.softmax(x, -1)
+            x = x.masked_fill(probs < mp[:, None] * probs.max(-1, keepdim=True).values, inf)
+        return x
+    sx, order = torch.sort(x, dim=-1, descending=True, stable=True)  # [R, V] each; ties as in _filter
+    if top_k:
         k = host_tensor([p.top_k if 0 < p.top_k < V else V for p in ps], torch.int64, dev)
-        kth = torch.sort(x, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])  # [R, 1]
-        x = x.masked_fill(x < kth, inf)
-    if any(p.min_p > 0.0 for p in ps):
-        min_p = host_tensor([p.min_p for p in ps], torch.float32, dev)
-        probs = torch.softmax(x, -1)
-        x = x.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, inf)
-    if any(p.top_p < 1.0 for p in ps):
-        top_p = host_tensor([p.top_p for p in ps], torch.float32, dev)
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        sp = torch.softmax(sorted_x, -1)
-        drop = ((sp.cumsum(-1) - sp) >= top_p[:, None]) & (top_p < 1.0)[:, None]  # top_p 1: keep all
-        x = x.scatter(1, order, sorted_x.masked_fill(drop, inf))
-    return x
+        sx = sx.masked_fill(sx < sx.gather(1, (k - 1)[:, None]), inf)  # ties with the k-th stay, as in _filter
+    if min_p:
+        mp = host_tensor([p.min_p for p in ps], torch.float32, dev)
+        probs = torch.softmax(sx, -1)
+        sx = sx.masked_fill(probs < mp[:, None] * probs[:, :1], inf)  # column 0 holds the row's max
+    if top_p:
+        tp = host_tensor([p.top_p for p in ps], torch.float32, dev)
+        sp = torch.softmax(sx, -1)
+        drop = ((sp.cumsum(-1) - sp) >= tp[:, None]) & (tp < 1.0)[:, None]  # top_p 1: keep all
+        sx = sx.masked_fill(drop, inf)
+    return x.scatter(1, order, sx)

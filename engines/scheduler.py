@@ -3,6 +3,7 @@ preemption (recompute) when KV runs out, and a parked state for requests that wa
 something outside the engine (the router parks a request while a peer model serves it)."""
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 from engines.block_manager import BlockManager
@@ -19,6 +20,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.parked: dict[int, Sequence] = {}
         self.num_preemptions = 0
+        self._ids = itertools.count()  # sequence ids, per engine: several engines share a process
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.parked)
@@ -29,6 +31,8 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def add(self, seq: Sequence) -> None:
+        if seq.seq_id < 0:
+            seq.seq_id = next(self._ids)
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 

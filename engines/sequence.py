@@ -2,15 +2,11 @@
 from __future__ import annotations
 
 import enum
-import itertools
 from dataclasses import dataclass, field
 
 import torch
 
 from engines.sampling import SamplingParams
-
-_seq_counter = itertools.count()
-
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # not admitted: no KV pages yet
@@ -23,7 +19,7 @@ class SeqStatus(enum.Enum):
 class Sequence:
     token_ids: list[int]
     sampling: SamplingParams
-    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    seq_id: int = -1  # numbered by the engine's scheduler when added (ids are per engine)
     status: SeqStatus = SeqStatus.WAITING
     num_prompt_tokens: int = 0
     # Tokens whose K/V are written in this engine's pool. The next forward computes

@@ -74,4 +74,11 @@ class SimEngine(Engine):
         ecfg = self._fit_config(config or EngineConfig(), mcfg)
         self.path = None
         self._setup(mcfg, ecfg, SimRunner(mcfg, latency_a, latency_c, token_seed), ByteTokenizer(),
-                    torch.device("cpu"), torch.float32)
+                    [torch.device("cpu")], torch.float32)
+
+    def set_layer_hook(self, hook) -> None:
+        raise ValueError("a sim engine has no layers to hook: its steps sleep")
+
+    def reserve_output_rows(self, n: int) -> None:
+        if n:
+            raise ValueError("a sim engine has no output head to reserve rows of")

@@ -43,16 +43,22 @@ def _our_name(hf_name: str) -> tuple[str, int | None]:
 
 
 def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               quantization: str | None = None) -> CausalLM:
-    """`quantization`: "int4" / "int8" (engines/quant.py), applied once loaded; None: what the
-    checkpoint's config.json asks for (quant.CONFIG_KEY), else dense."""
+               load_format: str = "safetensors", quantization: str | None = None) -> CausalLM:
+    """The model of checkpoint `path` on `device` in `dtype`; `load_format` "dummy": random
+    weights instead (EngineConfig.load_format). `quantization`: "int4" / "int8" (engines/quant.py),
+    applied once loaded; None: what the checkpoint's config.json asks for, else dense."""
     path = Path(path)
     quantization = check_quantization(quantization) or declared_quantization(path)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    # cast on meta, then allocate: the model never exists in fp32 (a 32B one would need 128 GB)
+    model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    if load_format == "dummy":
+        return _quantized(_random_weights(model, path), quantization)
+    if load_format != "safetensors":
+        raise ValueError(f"unknown load_format {load_format!r}; use safetensors or dummy")
     params = dict(model.named_parameters(remove_duplicate=False))
     h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     split = {"self_attn.qkv_proj": [h * d, hkv * d, hkv * d], "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
@@ -90,6 +96,26 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: t
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+    return _quantized(model.eval(), quantization)
+
+
+def _quantized(model: CausalLM, quantization: str | None) -> CausalLM:
     if quantization is not None:
         quantize_model(model, quantization)
+    return model
+
+
+@torch.no_grad()
+def _random_weights(model: CausalLM, path: Path) -> CausalLM:
+    """Normal weights with std = config.json's initializer_range (HF's init; 0.02 when absent),
+    norms 1 + N(0, 0.1) so a norm bug cannot hide behind all-ones; generated on the model's device
+    in its dtype with seed 0, so two engines of one directory hold the same weights."""
+    std = float(json.loads((path / "config.json").read_text()).get("initializer_range", 0.02))
+    dev = model.embed_tokens.weight.device
+    g = torch.Generator(dev).manual_seed(0)
+    for name, p in model.named_parameters():  # a tied lm_head is listed once
+        if "norm" in name:
+            p.normal_(1.0, 0.1, generator=g)
+        else:
+            p.normal_(0.0, std, generator=g)
     return model.eval()

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import inspect
+from types import MappingProxyType
 from typing import Any
 
-from policies.base import STAY, PeerReq, Policy, ReqView, RouteInput, SinglePolicy
+from policies.base import STAY, ModelInfo, PeerReq, Policy, ReqView, SinglePolicy, SmallLargePolicy, StepResult
 from policies.citer import CITERPolicy
 from policies.colm import CoLLMPolicy
 from policies.ensemble import EnsemblePolicy
@@ -13,23 +14,24 @@ from policies.r2r import R2RPolicy
 from policies.random_policy import RandomPolicy
 from policies.rstitch import RStitchPolicy
 
-REGISTRY: dict[str, type[Policy]] = {p.name: p for p in (SinglePolicy, RandomPolicy, RStitchPolicy, R2RPolicy,
-                                                         CITERPolicy, CoLLMPolicy, EnsemblePolicy, QueryPolicy)}
+# The built-in policies by name (read-only: a process may hold several routers; your own policy is
+# passed as an instance or a class, never registered globally).
+BUILTIN: MappingProxyType[str, type[Policy]] = MappingProxyType({p.name: p for p in (
+    SinglePolicy, RandomPolicy, RStitchPolicy, R2RPolicy, CITERPolicy, CoLLMPolicy, EnsemblePolicy, QueryPolicy)})
 
 
-def register(cls: type[Policy]) -> type[Policy]:
-    REGISTRY[cls.name] = cls
-    return cls
-
-
-def make_policy(policy: str | Policy, args: dict[str, Any] | None = None) -> Policy:
+def make_policy(policy: str | type[Policy] | Policy, args: dict[str, Any] | None = None) -> Policy:
+    """A policy from a built-in name or a Policy class (with `args`), or a Policy instance as is."""
     if isinstance(policy, Policy):
         if args:
-            raise ValueError("policy_args apply to a policy given by name, not to a Policy instance")
+            raise ValueError("policy_args apply to a policy given by name or class, not to a Policy instance")
         return policy
-    if policy not in REGISTRY:
-        raise ValueError(f"unknown policy {policy!r}; registered: {', '.join(sorted(REGISTRY))}")
-    cls = REGISTRY[policy]
+    if isinstance(policy, type) and issubclass(policy, Policy):
+        cls = policy
+    elif policy in BUILTIN:
+        cls = BUILTIN[policy]
+    else:
+        raise ValueError(f"unknown policy {policy!r}; built in: {', '.join(sorted(BUILTIN))}, or pass a Policy")
     args = dict(args or {})
     params = inspect.signature(cls.__init__).parameters
     unknown = [k for k in args if k not in params]
@@ -39,6 +41,6 @@ def make_policy(policy: str | Policy, args: dict[str, Any] | None = None) -> Pol
     return cls(**args)
 
 
-__all__ = ["STAY", "PeerReq", "Policy", "ReqView", "RouteInput", "REGISTRY", "register", "make_policy",
-           "SinglePolicy", "RandomPolicy", "RStitchPolicy", "R2RPolicy", "CITERPolicy", "CoLLMPolicy",
+__all__ = ["STAY", "ModelInfo", "PeerReq", "Policy", "ReqView", "StepResult", "SmallLargePolicy", "BUILTIN",
+           "make_policy", "SinglePolicy", "RandomPolicy", "RStitchPolicy", "R2RPolicy", "CITERPolicy", "CoLLMPolicy",
            "EnsemblePolicy", "QueryPolicy"]

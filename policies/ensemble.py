@@ -1,7 +1,8 @@
 """`ensemble` (ME): after every token the next model is drawn from the ensemble weights.
 
-Any number of models (>= 2). After each step of model i, model j is drawn with probability
-weights[j] (seeded per request). The token model i just sampled is always committed: on a draw of
+Any number of models (>= 2). The model that writes the first token is drawn with the same weights
+at admission, before any model steps; after each step of model i, model j is drawn with
+probability weights[j] (seeded per request). The token model i just sampled is always committed: on a draw of
 i it stays; otherwise the request moves to j carrying that token, and j first extends over every
 token it has not seen yet (lazy catch-up), then samples the next one.
 """
@@ -34,15 +35,22 @@ class EnsemblePolicy(Policy):
             raise ValueError(f"policy 'ensemble' has {len(self.weights)} weights, one per model, but the router "
                              f"has {len(model_names)} models: {list(model_names)}")
         super().bind(model_names)
+        # per model, the weights in destination order (stay, then its peers): route draws k directly
+        self.dest_weights = [self.weights[[i] + self.peers(i)] for i in range(self.M)]
 
     def _rng(self, req) -> np.random.Generator:
         rng = req.state.get("rng")
-        if rng is None:
-            rng = req.state["rng"] = np.random.default_rng([self.seed, zlib.crc32(req.rid.encode())])
+        if rng is None:  # one stream per (request, model): draws do not depend on batching
+            rng = req.state["rng"] = np.random.default_rng([self.seed, zlib.crc32(req.rid.encode()), req.model])
         return rng
 
-    def route(self, model, result):
-        return [self.to_peer(model, int(self._rng(r).choice(self.M, p=self.weights))) for r in result.reqs]
+    def admit(self, rid, prompt_ids, text):  # the first token's model is drawn too
+        rng = np.random.default_rng([self.seed, zlib.crc32(rid.encode()), self.M])  # apart from the per-model streams
+        return int(rng.choice(self.M, p=self.weights))
+
+    def route(self, result):
+        w = self.dest_weights[result.model]
+        return [int(self._rng(r).choice(len(w), p=w)) for r in result.reqs]
 
     def routing_template(self):
         M = len(self.weights)

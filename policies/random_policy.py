@@ -10,17 +10,17 @@ import zlib
 
 import numpy as np
 
-from policies.base import STAY, PeerReq, Policy
+from policies.base import SmallLargePolicy
 
 
-class RandomPolicy(Policy):
+class RandomPolicy(SmallLargePolicy):
     name = "random"
-    num_models = 2
 
     def __init__(self, p: float = 0.35, seed: int = 0):
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"random policy: p must be in [0, 1], got {p!r}")
-        self.p, self.seed = float(p), int(seed)
+        self.p = self.prior_p = float(p)
+        self.seed = int(seed)
 
     def _rng(self, req) -> np.random.Generator:
         rng = req.state.get("rng")
@@ -28,16 +28,5 @@ class RandomPolicy(Policy):
             rng = req.state["rng"] = np.random.default_rng([self.seed, zlib.crc32(req.rid.encode())])
         return rng
 
-    def route(self, model, result):
-        if model == 1:
-            return [1] * len(result.reqs)  # the large model always hands back after one token
-        return [1 if self._rng(r).random() < self.p else STAY for r in result.reqs]
-
-    def send(self, model, req, target):
-        seen = req.seen[target]
-        commit = [req.sampled] if model == 1 else []  # large: commit its token; small: discard
-        return PeerReq(req.rid, req.token_ids[seen:] + commit, loc=seen)
-
-    def routing_template(self):
-        p = self.p
-        return np.array([[1 - p, p], [1.0, 0.0]]), np.array([[1.0, 0.0], [1.0, 0.0]])
+    def defer(self, result):
+        return [self._rng(r).random() < self.p for r in result.reqs]

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import torch
 
-from policies.base import STAY, PeerReq, Policy
+from policies.base import SmallLargePolicy
 
 
 def normalized_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -21,25 +21,19 @@ def normalized_entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1) / math.log(logits.shape[-1])
 
 
-class RStitchPolicy(Policy):
+class RStitchPolicy(SmallLargePolicy):
     name = "rstitch"
-    num_models = 2
 
     def __init__(self, tau: float = 0.03, prior_p: float = 0.2, prior_q: float = 0.5):
         if not 0.0 <= tau <= 1.0:
             raise ValueError(f"rstitch: tau must be in [0, 1], got {tau!r}")
         self.tau, self.prior_p, self.prior_q = float(tau), prior_p, prior_q
 
-    def route(self, model, result):
-        unsure = (normalized_entropy(result.logits) > self.tau).tolist()
-        if model == 0:
-            return [1 if u else STAY for u in unsure]
-        return [STAY if u else 1 for u in unsure]
+    def defer(self, result):  # the small model is unsure: the large one writes this position
+        return (normalized_entropy(result.logits) > self.tau).tolist()
 
-    def send(self, model, req, target):
-        seen = req.seen[target]
-        commit = [req.sampled] if model == 1 else []  # the large model's confident token is kept
-        return PeerReq(req.rid, req.token_ids[seen:] + commit, loc=seen)
+    def hand_back(self, result):  # the large model is confident: it commits this token and hands back
+        return (normalized_entropy(result.logits) <= self.tau).tolist()
 
     def routing_template(self):
         p, q = self.prior_p, self.prior_q  # q: the large model hands back after a step

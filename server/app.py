@@ -187,7 +187,7 @@ class Server:
     async def _generate(self, request: web.Request, body, prompt, max_tokens: int | None, chat: bool):
         self._check_model(body.model)
         try:
-            ids = self.router._prompt_ids(prompt)
+            ids = self.router.prompt_ids(prompt)
         except ValueError as e:
             raise ApiError(400, str(e), param="prompt") from None
         kw = self._sampling(body, max_tokens, len(ids))

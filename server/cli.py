@@ -5,7 +5,9 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -111,11 +113,11 @@ def server_config(args):
 def describe(router) -> list[str]:
     lines = []
     n = router.max_concurrency
-    for i, s in enumerate(router.subservers):
+    for s in router.subservers:
         e = s.engine
         lines.append(f"model {s.name}: {e.path or 'sim'} device={e.device} dtype={str(e.dtype).removeprefix('torch.')} "
-                     f"kv_pages={e.block_manager.num_pages}x{e.config.page_size} max_model_len={e.max_model_len} "
-                     f"threshold(N=1)={router._thresholds[1][i]} threshold(N={n})={router._thresholds[n][i]}")
+                     f"kv_pages={e.kv_usage().pages_total}x{e.config.page_size} max_model_len={e.max_model_len} "
+                     f"threshold(N=1)={router.thresholds(1)[s.name]} threshold(N={n})={router.thresholds(n)[s.name]}")
     return lines
 
 
@@ -237,13 +239,15 @@ def _delegate(cmd: str, rest: list[str]) -> int:
     if cmd == "train-router":
         from policies.train import main as train
         return train(rest)
+    # The benchmarks live in the source checkout, not in the installed package: run them there as
+    # their own process (the server never imports bench/).
     root = Path(__file__).resolve().parent.parent
     if not (root / "bench" / "run.py").is_file():
-        print("aiorouter bench: needs a source checkout (bench/ is not part of the installed package)", file=sys.stderr)
+        print("aiorouter bench: the benchmarks are not installed with the package; clone the repository, "
+              "`pip install -e .` from it, and run `aiorouter bench` (or `python -m bench.run`) there", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(root))
-    from bench.run import main as bench
-    return bench(rest)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    return subprocess.call([sys.executable, "-m", "bench.run", *rest], env=env)
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ class RouterReplica:
 
     def check_health(self) -> None:
         # a dead subserver task fails every request it touches; Serve replaces the replica instead
-        dead = [t.get_name() for t in self.router._tasks if t.done()]
+        dead = self.router.dead_tasks()
         if dead:
             raise RuntimeError(f"router tasks died: {dead}")
 

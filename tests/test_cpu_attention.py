@@ -1,4 +1,4 @@
-"""The CPU paged-attention kernel (engines/cpu_attention.py) against TorchBackend, the reference.
+"""The CPU paged-attention kernel (engines/attention/cpu_backend.py) against TorchBackend, the reference.
 
 Ragged steps mix decodes, short extends (the kernel's, e.g. handoff resumes) and long ones
 (SDPA's), over GQA ratios, page sizes and head dims with and without a compiled-in fast path;
@@ -13,8 +13,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from attn_cases import random_step
-from engines.attention import TorchBackend, select_backend
-from engines.cpu_attention import KERNEL_MAX_Q, CpuBackend, load
+from engines.attention import select_backend
+from engines.attention.torch_backend import TorchBackend
+from engines.attention.cpu_backend import KERNEL_MAX_Q, CpuBackend, load
 
 OP = load()
 

@@ -77,7 +77,8 @@ def test_model_on_fused_kernels_matches_torch_ops(qk_norm):
     for m in model.modules():
         if isinstance(m, RMSNorm):
             m.weight.data.uniform_(0.5, 1.5)
-    from engines.attention import BatchLayout, TorchBackend
+    from engines.attention import BatchLayout
+    from engines.attention.torch_backend import TorchBackend
     from engines.kv_cache import KVPool
     from engines.model import AttnContext, rope_cache, signed_sin
     T = 7

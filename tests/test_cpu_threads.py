@@ -30,19 +30,19 @@ def test_router_refuses_bad_threads_at_construction():
         Router({"a": {"engine": "sim", "latency_ms": 1.0}}, threads={"nope": 2})
 
 
-class _Runner:
-    cuda = False
-    layer_hook = None
+def _tiny_engines(path, n=2):
+    from engines import Engine
+    return [Engine.from_pretrained(path, num_kv_tokens=256) for _ in range(n)]
 
 
-def test_core_share_shrinks_the_heavy_team_while_light_steps_run():
+def test_core_share_shrinks_the_heavy_team_while_light_steps_run(tiny_qwen3):
     import threading
     import torch
     from aiorouter.cpu_threads import CoreShare
-    runners = [_Runner(), _Runner()]
-    share = CoreShare.plan(runners, [1, 2])
+    engines = _tiny_engines(tiny_qwen3)
+    share = CoreShare.plan(engines, [1, 2])
     share.cores = 2  # the bench machine's shape, whatever this one has
-    assert runners[1].layer_hook == share.heavy_layer and runners[0].layer_hook is None
+    assert engines[1].layer_hook == share.heavy_layer and engines[0].layer_hook is None
     seen = []
 
     def heavy_thread():  # a worker thread of its own, as in the router (thread counts are per thread)
@@ -60,18 +60,25 @@ def test_core_share_shrinks_the_heavy_team_while_light_steps_run():
     assert share.light_busy == 0
 
 
-def test_core_share_counts_a_failed_light_step_back():
+def test_core_share_counts_a_failed_light_step_back(tiny_qwen3):
     from aiorouter.cpu_threads import CoreShare
-    share = CoreShare.plan([_Runner(), _Runner()], [1, 2])
+    share = CoreShare.plan(_tiny_engines(tiny_qwen3), [1, 2])
     with pytest.raises(ZeroDivisionError):
         share.run_light(0, lambda: 1 / 0)
     assert share.light_busy == 0
 
 
-def test_core_share_only_when_every_model_is_on_this_cpu():
+class _GpuModel:
+    """What CoreShare reads of a model on a GPU (no CUDA here to build a real one)."""
+    num_params = 10**9
+    device = __import__("torch").device("cuda:0")
+
+
+def test_core_share_only_when_every_model_is_on_this_cpu(tiny_qwen3):
     from aiorouter.cpu_threads import CoreShare
-    gpu = _Runner()
-    gpu.cuda = True
-    assert CoreShare.plan([_Runner(), gpu], [1, 2]) is None
-    assert CoreShare.plan([_Runner(), None], [1, 2]) is None  # a sim engine has no runner
-    assert CoreShare.plan([_Runner()], [2]) is None
+    from engines.sim import SimEngine
+    cpu = _tiny_engines(tiny_qwen3, 1)[0]
+    assert CoreShare.plan([cpu, _GpuModel()], [1, 2]) is None
+    assert CoreShare.plan([cpu, SimEngine()], [1, 2]) is None  # a sim engine sleeps: it takes no core
+    assert CoreShare.plan([cpu], [2]) is None
+    assert cpu.layer_hook is None

@@ -110,7 +110,7 @@ def test_sim_engine_step_semantics():
     assert all(len(o.token_ids) == 30 and o.finish_reason == "length" for o in outs)
     again = SimEngine(latency_a=0.0).generate(["hello"], max_tokens=30, temperature=0.0)[0]
     assert again.token_ids == outs[0].token_ids  # deterministic, batch-independent
-    assert e.block_manager.num_free_pages == e.block_manager.num_pages
+    assert e.kv_usage().pages_free == e.kv_usage().pages_total
     with pytest.raises(ValueError, match="latenc"):
         SimEngine(latency_a=-1.0)
 
@@ -122,7 +122,7 @@ def test_sim_engine_sleeps_its_latency():
     e.generate(["x"] * 4, max_tokens=10, temperature=0.0)  # 1 prefill step + 9 decode steps at b = 4
     dt = time.perf_counter() - t0
     assert dt >= 10 * (0.004 + 0.002 * 4)
-    assert e.runner.num_batches == 10
+    assert e.stats.num_steps == 10
 
 
 def test_never_written_kv_cannot_poison_padded_decodes(tiny_qwen3):

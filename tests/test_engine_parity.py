@@ -38,7 +38,7 @@ def _check(path, prompts, num_kv_tokens=4096):
         got = torch.stack([got[0], got[5]])
         rel = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
         assert rel.max().item() < 1e-4, rel
-    assert eng.block_manager.num_free_pages == eng.block_manager.num_pages
+    assert eng.kv_usage().pages_free == eng.kv_usage().pages_total
 
 
 def _greedy(n):

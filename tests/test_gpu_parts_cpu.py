@@ -6,15 +6,16 @@ import random
 import pytest
 import torch
 
-import engines.attention as attention
-from engines.attention import BatchLayout, TorchBackend, select_backend
-from engines.cpu_attention import CpuBackend
+import engines.attention.select as attention_select
+from engines.attention import BatchLayout, select_backend
+from engines.attention.torch_backend import TorchBackend
+from engines.attention.cpu_backend import CpuBackend
 from engines.memory import ModelFootprint, joint_kv_tokens
 from engines.paged_meta import build_paged_meta, slots_from_meta
 
 
 def test_cpu_never_picks_a_cuda_backend_even_when_installed(monkeypatch):
-    monkeypatch.setattr(attention, "_has", lambda name: True)  # as if flashinfer and triton were installed
+    monkeypatch.setattr(attention_select, "has_module", lambda name: True)  # as if flashinfer and triton were installed
     assert isinstance(select_backend(torch.device("cpu")), (TorchBackend, CpuBackend))
     with pytest.raises(ValueError, match="needs a CUDA device"):
         select_backend(torch.device("cpu"), "flashinfer")
@@ -79,11 +80,11 @@ def test_joint_kv_tokens():
 
 def test_cuda_order_flashinfer_then_triton_then_torch(monkeypatch):
     """On CUDA the first installed backend wins; constructing the Triton backend needs no GPU."""
-    from engines.triton_backend import TritonBackend
+    from engines.attention.triton_backend import TritonBackend
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(attention, "_has", lambda name: name == "triton")
+    monkeypatch.setattr(attention_select, "has_module", lambda name: name == "triton")
     assert isinstance(select_backend(torch.device("cuda:0")), TritonBackend)
-    monkeypatch.setattr(attention, "_has", lambda name: False)
+    monkeypatch.setattr(attention_select, "has_module", lambda name: False)
     assert isinstance(select_backend(torch.device("cuda:0")), TorchBackend)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="needs a CUDA device"):

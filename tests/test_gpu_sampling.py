@@ -12,13 +12,18 @@ PARAMS = [SamplingParams(temperature=0.0), SamplingParams(top_k=5), SamplingPara
           SamplingParams(temperature=1.3), SamplingParams(top_k=1, temperature=2.0)]
 
 
-def test_batched_filters_equal_per_row_filters():
+@pytest.mark.parametrize("params", [PARAMS, [SamplingParams(min_p=0.1), SamplingParams(min_p=0.3, temperature=0.5)],
+                                    [SamplingParams(top_k=50, min_p=0.05), SamplingParams(top_p=0.5)]])
+def test_batched_filters_equal_per_row_filters(params):
+    """Same values, same -inf entries, ties included (a tie at a top-k or top-p boundary keeps or
+    drops the same token: both sort stably)."""
     g = torch.Generator().manual_seed(0)
-    for _ in range(20):
-        x = torch.randn(len(PARAMS), 300, generator=g) * 3
-        got = _filter_batched(x.clone(), PARAMS)
-        for r, p in enumerate(PARAMS):
-            assert torch.equal(torch.isinf(got[r]), torch.isinf(_filter(x[r].clone(), p))), p
+    for _ in range(100):
+        x = torch.randn(len(params), 300, generator=g) * 3
+        x[:, 7], x[:, 100] = x[:, 3], x[:, 50]  # exact ties
+        got = _filter_batched(x.clone(), params)
+        for r, p in enumerate(params):
+            assert torch.equal(got[r], _filter(x[r].clone(), p)), p
 
 
 def test_greedy_rows_and_one_token_supports_are_exact():

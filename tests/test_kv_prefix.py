@@ -104,8 +104,8 @@ def test_engine_prefix_reuse_computes_only_suffix(tiny_qwen3):
     cold = Engine.from_pretrained(tiny_qwen3, num_kv_tokens=4096, enable_prefix_caching=False)
     assert cold.generate(shared + [11, 12, 13, 14, 15], max_tokens=4, temperature=0.0,
                          ignore_eos=True)[0].token_ids == out.token_ids
-    bm = eng.block_manager
-    assert bm.num_free_pages == bm.num_pages and bm.allocator.num_free + bm.num_cached_pages == bm.num_pages
+    kv = eng.kv_usage()
+    assert kv.pages_free == kv.pages_total and kv.pages_used == 0 and kv.pages_cached > 0
 
 
 def test_preemption_when_kv_runs_out(tiny_qwen3):
@@ -116,6 +116,6 @@ def test_preemption_when_kv_runs_out(tiny_qwen3):
         prompts, max_tokens=40, temperature=0.0, ignore_eos=True)
     small = Engine.from_pretrained(tiny_qwen3, num_kv_tokens=160, page_size=16)
     outs = small.generate(prompts, max_tokens=40, temperature=0.0, ignore_eos=True)
-    assert small.scheduler.num_preemptions > 0
+    assert small.kv_usage().preemptions > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in big]
-    assert small.block_manager.num_free_pages == small.block_manager.num_pages
+    assert small.kv_usage().pages_free == small.kv_usage().pages_total

@@ -10,13 +10,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from aiorouter import Router, RouterError
+from aiorouter import Router
 from engines import Engine, SamplingParams
-from policies import REGISTRY, STAY, ReqView, RouteInput, make_policy
+from policies import BUILTIN, STAY, ReqView, StepResult, make_policy
 from policies.citer import CITERPolicy
 from policies.colm import CoLLMPolicy
 from policies.ensemble import EnsemblePolicy
-from policies.networks import CITERRouter, R2RRouter, load_embedding, save_router
+from policies.checkpoints import load_embedding, save_router
+from policies.networks import CITERRouter, R2RRouter
 from policies.query import QueryPolicy
 from policies.r2r import R2RPolicy
 from policies.rstitch import normalized_entropy
@@ -26,15 +27,17 @@ MAX_TOK = 24
 
 
 # -- helpers -------------------------------------------------------------------------------------
-def view(rid="r", tokens=(1, 2, 3, 4, 5), n_prompt=3, sampled=9, seen=(5, 3), trace=(0, 0), state=None):
-    return ReqView(rid, list(tokens), n_prompt, sampled, tuple(seen), tuple(trace), {} if state is None else state)
+def view(rid="r", tokens=(1, 2, 3, 4, 5), n_prompt=3, sampled=9, seen=(5, 3), trace=(0, 0), state=None, model=0,
+         peer=None):
+    return ReqView(rid, model, list(tokens), n_prompt, sampled, tuple(seen), tuple(trace),
+                   {} if state is None else state, peer)
 
 
-def rin(logits, hidden=None, reqs=None, tokens=None):
+def rin(model, logits, hidden=None, reqs=None, tokens=None):
     B = logits.shape[0]
-    reqs = reqs or [view(rid=f"r{i}") for i in range(B)]
+    reqs = reqs or [view(rid=f"r{i}", model=model) for i in range(B)]
     tokens = tokens if tokens is not None else logits.argmax(-1)
-    return RouteInput(logits.float(), tokens, hidden, reqs)
+    return StepResult(model, logits.float(), tokens, hidden, reqs)
 
 
 def bound(policy, n=2):
@@ -97,15 +100,15 @@ def test_r2r_route_and_send():
     p = net.prob(hidden, tokens, logits)
     thr = float(p.sort().values[2:4].mean())  # three rows above, three below
     pol = bound(R2RPolicy(net, threshold=thr))
-    dest = pol.route(0, rin(logits, hidden, tokens=tokens))
+    dest = pol.route(rin(0, logits, hidden, tokens=tokens))
     assert dest == [1 if x >= thr else STAY for x in p.tolist()] and dest.count(1) == 3
-    assert pol.route(1, rin(logits, hidden, tokens=tokens)) == [1] * 6  # large: one token, then back
+    assert pol.route(rin(1, logits, hidden, tokens=tokens)) == [1] * 6  # large: one token, then back
     # the router reads the sampled token: a different token changes its input
     assert not torch.equal(net.prob(hidden, (tokens + 1) % V, logits), p)
-    up = pol.send(0, view(tokens=[1, 2, 3, 4, 5], seen=(5, 3), sampled=9), 1)
-    assert (up.tokens, up.loc) == ([4, 5], 3)  # the small model's token 9 is discarded
-    back = pol.send(1, view(tokens=[1, 2, 3, 4, 5], seen=(3, 5), sampled=7), 0)
-    assert (back.tokens, back.loc) == ([4, 5, 7], 3)  # the large model's token is committed
+    up = pol.send(view(tokens=[1, 2, 3, 4, 5], seen=(5, 3), sampled=9, model=0, peer=1))
+    assert (up.tokens, up.loc) == ([4, 5], 5)  # the small model's token 9 is discarded; loc: its position
+    back = pol.send(view(tokens=[1, 2, 3, 4, 5], seen=(3, 5), sampled=7, model=1, peer=0))
+    assert (back.tokens, back.loc) == ([4, 5, 7], 5)  # the large model's token is committed
     P, C = pol.routing_template()
     assert np.allclose(P, [[0.9, 0.1], [1, 0]]) and np.allclose(C, [[1, 0], [1, 0]])
 
@@ -128,7 +131,7 @@ def test_r2r_network_matches_official_layout():
                           "normalize_input": False, "freeze_lm_head": True},
             "common_args": {"threshold": 0.3, "input_type": ["hidden_states", "token", "logits"]},
             "model_specific_args": {}, "state_dict": sd}
-    from policies.networks import load_router
+    from policies.checkpoints import load_router
     loaded, meta = load_router(ckpt, embedding=emb)
     h, tok, logits = torch.randn(5, H), torch.randint(0, V, (5,)), torch.randn(5, V)
     F = torch.nn.functional
@@ -156,11 +159,11 @@ def test_citer_route_and_send():
     conf = net.prob(hidden)
     tau = float(conf.sort().values[3:5].mean())
     pol = bound(CITERPolicy(net, tau=tau))
-    dest = pol.route(0, rin(torch.randn(8, 32), hidden))
+    dest = pol.route(rin(0, torch.randn(8, 32), hidden))
     assert dest == [1 if c < tau else STAY for c in conf.tolist()] and dest.count(1) == 4
-    assert pol.route(1, rin(torch.randn(8, 32), hidden)) == [1] * 8
-    assert pol.send(0, view(seen=(5, 2), sampled=9), 1).tokens == [3, 4, 5]
-    assert pol.send(1, view(seen=(4, 5), sampled=9), 0).tokens == [5, 9]
+    assert pol.route(rin(1, torch.randn(8, 32), hidden)) == [1] * 8
+    assert pol.send(view(seen=(5, 2), sampled=9, model=0, peer=1)).tokens == [3, 4, 5]
+    assert pol.send(view(seen=(4, 5), sampled=9, model=1, peer=0)).tokens == [5, 9]
     assert CITERPolicy(net).tau == 0.98  # the paper's setting when nothing else is given
     net.train()  # eval mode at inference: a policy puts its network in eval mode
     assert not CITERPolicy(net).net.training
@@ -181,37 +184,37 @@ def test_colm_route_send_and_head_forms(tmp_path):
     torch.save({"lm_head.weight": lm_head}, tmp_path / "lm_head.pt")
     for head in (tmp_path / "head.pt", tmp_path / "lm_head.safetensors", tmp_path / "lm_head.pt", w, {"weight": w}):
         pol = bound(CoLLMPolicy(head, eta=0.15))
-        assert pol.route(0, rin(logits, hidden)) == want, head
-        assert pol.route(1, rin(logits, hidden)) == [1] * 4
+        assert pol.route(rin(0, logits, hidden)) == want, head
+        assert pol.route(rin(1, logits, hidden)) == [1] * 4
     # eta is compared strictly: P(defer) = 0.5 is not > 0.5
-    assert bound(CoLLMPolicy(w, eta=0.5)).route(0, rin(logits, hidden)) == [1, STAY, STAY, STAY]
-    assert pol.send(0, view(seen=(5, 5), sampled=9), 1).tokens == []
-    assert pol.send(1, view(seen=(4, 5), sampled=9), 0).tokens == [5, 9]
+    assert bound(CoLLMPolicy(w, eta=0.5)).route(rin(0, logits, hidden)) == [1, STAY, STAY, STAY]
+    assert pol.send(view(seen=(5, 5), sampled=9, model=0, peer=1)).tokens == []
+    assert pol.send(view(seen=(4, 5), sampled=9, model=1, peer=0)).tokens == [5, 9]
     # the (V+1)-row form checks the vocabulary it implies
     with pytest.raises(ValueError, match=f"vocabulary {V} \\+ 1.*vocabulary is 30"):
-        bound(CoLLMPolicy(tmp_path / "lm_head.pt")).route(0, rin(torch.randn(4, 30), hidden))
+        bound(CoLLMPolicy(tmp_path / "lm_head.pt")).route(rin(0, torch.randn(4, 30), hidden))
     with pytest.raises(ValueError, match="hidden states of size 6"):
-        bound(CoLLMPolicy(w)).route(0, rin(logits, torch.zeros(4, 6)))
+        bound(CoLLMPolicy(w)).route(rin(0, logits, torch.zeros(4, 6)))
 
 
 def test_ensemble_route_send_and_draws():
     pol = bound(EnsemblePolicy([0.0, 0.0, 1.0]), 3)
     logits = torch.randn(3, 10)
-    assert pol.route(0, rin(logits)) == [2, 2, 2]  # peer code of model 2 from model 0
-    assert pol.route(2, rin(logits)) == [STAY] * 3
+    assert pol.route(rin(0, logits)) == [2, 2, 2]  # model 0's 2nd peer is model 2
+    assert pol.route(rin(2, logits)) == [STAY] * 3
     pol = bound(EnsemblePolicy([1.0, 0.0, 0.0]), 3)
-    assert pol.route(1, rin(logits)) == [1, 1, 1]  # model 1's first peer is model 0
+    assert pol.route(rin(1, logits)) == [1, 1, 1]  # model 1's first peer is model 0
     # the drawing model's token is committed; the peer extends over everything it missed
-    pr = pol.send(1, view(tokens=[1, 2, 3, 4, 5, 6], seen=(3, 6, 0), sampled=9), 0)
-    assert (pr.tokens, pr.loc) == ([4, 5, 6, 9], 3)
-    pr = pol.send(1, view(tokens=[1, 2, 3, 4, 5, 6], seen=(3, 6, 0), sampled=9), 2)
-    assert (pr.tokens, pr.loc) == ([1, 2, 3, 4, 5, 6, 9], 0)
+    pr = pol.send(view(tokens=[1, 2, 3, 4, 5, 6], seen=(3, 6, 0), sampled=9, model=1, peer=0))
+    assert (pr.tokens, pr.loc) == ([4, 5, 6, 9], 6)
+    pr = pol.send(view(tokens=[1, 2, 3, 4, 5, 6], seen=(3, 6, 0), sampled=9, model=1, peer=2))
+    assert (pr.tokens, pr.loc) == ([1, 2, 3, 4, 5, 6, 9], 6)
     # draws follow the weights, and are reproducible per (seed, request)
     w = [0.5, 0.3, 0.2]
     a, b = bound(EnsemblePolicy(w, seed=3), 3), bound(EnsemblePolicy(w, seed=3), 3)
     ra, rb = view(rid="same"), view(rid="same")  # one request each: its state keeps the generator
-    da = [a.resolve(0, a.route(0, rin(logits[:1], reqs=[ra]))[0]) for _ in range(4000)]
-    db = [b.resolve(0, b.route(0, rin(logits[:1], reqs=[rb]))[0]) for _ in range(4000)]
+    da = [a.route(rin(0, logits[:1], reqs=[ra]))[0] for _ in range(4000)]  # from model 0, k = model k
+    db = [b.route(rin(0, logits[:1], reqs=[rb]))[0] for _ in range(4000)]
     assert da == db
     freq = np.bincount(da, minlength=3) / len(da)
     assert np.allclose(freq, w, atol=0.03), freq
@@ -229,27 +232,34 @@ def test_query_route_and_send():
     logits = torch.stack([flat, peaked, mid])
     reqs = [view(rid=f"q{i}", tokens=[1, 2, 3], n_prompt=3, seen=(3, 0, 0)) for i in range(3)]
     pol = bound(QueryPolicy([0.3, 0.7]), 3)
-    assert pol.route(0, rin(logits, reqs=reqs)) == [2, STAY, 1]  # flat -> model 2, peaked stays, mid -> model 1
-    assert [r.state["query_model"] for r in reqs] == [2, 0, 1]
-    # once decided, the request stays wherever it is sent, whatever the logits say
-    assert pol.route(2, rin(logits[[1]], reqs=[reqs[0]])) == [STAY]
-    assert pol.route(1, rin(logits[[0]], reqs=[reqs[2]])) == [STAY]
-    assert pol.route(0, rin(logits[[0]], reqs=[reqs[1]])) == [STAY]
-    pr = pol.send(0, reqs[0], 2)  # first visit of the chosen model: the whole prompt, token discarded
-    assert (pr.tokens, pr.loc) == ([1, 2, 3], 0)
+    assert pol.admit("q", [1, 2, 3], "text") is None  # no text scorer: the entry model scores at its first step
+    assert pol.route(rin(0, logits, reqs=reqs)) == [2, STAY, 1]  # flat -> model 2, peaked stays, mid -> model 1
+    at = float(normalized_entropy(mid[None])[0])  # a score equal to a threshold reaches it (RouteLLM's >=)
+    assert bound(QueryPolicy([0.3, at]), 3).route(rin(0, logits[[2]], reqs=[reqs[2]])) == [2]
+    # once it has moved (another model has seen it) or written a token, it stays, whatever the logits say
+    assert pol.route(rin(2, logits[[1]], reqs=[reqs[0]._replace(model=2, seen=(3, 0, 3))])) == [STAY]
+    assert pol.route(rin(1, logits[[0]], reqs=[reqs[2]._replace(model=1, seen=(4, 4, 0), token_ids=[1, 2, 3, 8])])) \
+        == [STAY]
+    assert pol.route(rin(0, logits[[0]], reqs=[reqs[1]._replace(seen=(4, 0, 0), token_ids=[1, 2, 3, 8])])) == [STAY]
+    pr = pol.send(reqs[0]._replace(peer=2))  # the entry model's prefill is not wasted: its token goes along
+    assert (pr.tokens, pr.loc) == ([1, 2, 3, 9], 3)
+    drop = bound(QueryPolicy([0.3, 0.7], keep_first_token=False), 3)
+    pr = drop.send(reqs[0]._replace(peer=2))  # or it is discarded: the chosen model writes every token
+    assert (pr.tokens, pr.loc) == ([1, 2, 3], 3)
+    assert drop.routing_template()[1][0, 1] == 0 and pol.routing_template()[1][0, 1] == 1
     # margin score and a classifier on the hidden state
     two = bound(QueryPolicy(0.5, score="margin"))
-    fresh = [view(rid=f"m{i}", tokens=[1, 2], n_prompt=2) for i in range(3)]
-    assert two.route(0, rin(logits, reqs=fresh)) == [1, STAY, 1]
+    fresh = [view(rid=f"m{i}", tokens=[1, 2], n_prompt=2, seen=(2, 0)) for i in range(3)]
+    assert two.route(rin(0, logits, reqs=fresh)) == [1, STAY, 1]
     w = torch.zeros(4)
     w[1] = 1.0
     clf = bound(QueryPolicy(0.5, classifier={"weight": w, "bias": 0.0}))
     assert clf.needs_hidden
     hidden = torch.tensor([[0.0, 2.0, 0, 0], [0.0, -2.0, 0, 0]])
-    fresh = [view(rid=f"c{i}", tokens=[1, 2], n_prompt=2) for i in range(2)]
-    assert clf.route(0, rin(logits[:2], hidden, reqs=fresh)) == [1, STAY]
+    fresh = [view(rid=f"c{i}", tokens=[1, 2], n_prompt=2, seen=(2, 0)) for i in range(2)]
+    assert clf.route(rin(0, logits[:2], hidden, reqs=fresh)) == [1, STAY]
     P, C = pol.routing_template()
-    assert np.allclose(P.sum(1), 1) and P[1, 1] > 0.99 and P[0, 2] > 0 and C[0, 1] == 0
+    assert np.allclose(P.sum(1), 1) and P[1, 1] > 0.99 and P[0, 2] > 0
 
 
 def test_every_policy_declares_a_valid_template(tmp_path):
@@ -258,7 +268,7 @@ def test_every_policy_declares_a_valid_template(tmp_path):
     pols = {"r2r": R2RPolicy(net, threshold=0.5), "citer": CITERPolicy(CITERRouter(H)),
             "colm": CoLLMPolicy(torch.zeros(H)), "ensemble": EnsemblePolicy([0.5, 0.5]), "query": QueryPolicy(0.5)}
     for name, pol in pols.items():
-        assert name in REGISTRY and type(pol) is REGISTRY[name]
+        assert name in BUILTIN and type(pol) is BUILTIN[name]
         P, C = bound(pol).routing_template()
         assert P.shape == C.shape == (2, 2) and np.allclose(P.sum(1), 1) and (P >= 0).all(), name
     assert np.allclose(pols["citer"].routing_template()[0], [[0.9, 0.1], [1, 0]])
@@ -287,8 +297,9 @@ async def test_citer_identical_models_equal_single(tiny_qwen3, ref, tmp_path):
     _, _, hidden = ref[2]
     torch.manual_seed(1)
     net = CITERRouter(hidden.shape[1]).eval()
-    save_router(net, tmp_path / "citer.pt", _median(net.prob(hidden)))
-    res, h = await check_equivalence(tiny_qwen3, ref, "citer", {"router": str(tmp_path / "citer.pt")})
+    tau = _median(net.prob(hidden))
+    save_router(net, tmp_path / "citer.pt", tau)
+    res, h = await check_equivalence(tiny_qwen3, ref, "citer", {"router": str(tmp_path / "citer.pt"), "tau": tau})
     counts = tokens_by_model(res)
     assert counts.get("small", 0) > 20 and counts.get("large", 0) > 20, counts
     assert h[("small", "large")] == counts["large"]
@@ -311,7 +322,7 @@ async def test_ensemble_three_models_equal_single(tiny_qwen3, ref, monkeypatch):
     import itertools
     import uuid
     counter = itertools.count()
-    monkeypatch.setattr("aiorouter.router.uuid.uuid4", lambda: uuid.UUID(int=next(counter)))
+    monkeypatch.setattr("aiorouter.requests.uuid.uuid4", lambda: uuid.UUID(int=next(counter)))
     res, h = await check_equivalence(tiny_qwen3, ref, "ensemble", {"weights": [0.5, 0.3, 0.2], "seed": 4},
                                      names=("a", "b", "c"))
     counts = tokens_by_model(res)
@@ -327,9 +338,9 @@ async def test_query_identical_models_equal_single(tiny_qwen3, ref):
     scores = normalized_entropy(first_logits)
     thr = float(scores.sort().values[N_REQ // 2 - 1:N_REQ // 2 + 1].mean())  # between the middle two
     res, h = await check_equivalence(tiny_qwen3, ref, "query", {"thresholds": thr})
-    for r, s in zip(res, scores.tolist()):
-        assert set(r.models) == ({"large"} if s > thr else {"small"})  # the whole response on one model
-    assert 0 < sum(r.models[0] == "large" for r in res) < N_REQ
+    for r, s in zip(res, scores.tolist()):  # the entry model's first token, then the chosen model
+        assert r.models[0] == "small" and set(r.models[1:]) == ({"large"} if s > thr else {"small"})
+    assert 0 < sum(r.models[1] == "large" for r in res) < N_REQ
     assert h[("large", "small")] == 0 and h[("small", "large")] == sum(s > thr for s in scores.tolist())
 
 
@@ -344,8 +355,8 @@ async def test_bad_input_names_the_problem(tiny_qwen3, tmp_path):
     save_router(other, tmp_path / "r32.pt", 0.5)
     with pytest.raises(ValueError, match="hidden size 32"):
         pair(tiny_qwen3, policy="r2r", policy_args={"router": str(tmp_path / "r32.pt"), "small_path": str(tiny_qwen3)})
-    with pytest.raises(ValueError, match="small_path"):
-        pair(tiny_qwen3, policy="r2r", policy_args={"router": str(tmp_path / "r32.pt")})
+    with pytest.raises(ValueError, match="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B.*small_path"):
+        await pair(tiny_qwen3, policy="r2r", policy_args={"router": str(tmp_path / "r32.pt")}).start()
     torch.save({"weights": torch.zeros(3)}, tmp_path / "junk.pt")
     with pytest.raises(ValueError, match="not in the R2R format"):
         pair(tiny_qwen3, policy="r2r", policy_args={"router": str(tmp_path / "junk.pt"), "small_path": str(tiny_qwen3)})
@@ -362,12 +373,13 @@ async def test_bad_input_names_the_problem(tiny_qwen3, tmp_path):
         pair(tiny_qwen3, policy="citer", policy_args={"router": "x.pt", "treshold": 0.5})
     with pytest.raises(ValueError, match="unknown score 'perplexity'"):
         make_policy("query", {"score": "perplexity"})
-    # a CITER router for another hidden size is caught on the first step and fails the request only
+    # a CITER router for another hidden size is caught at start, from the small model's config
     save_router(CITERRouter(32), tmp_path / "c32.pt", 0.5)
-    async with pair(tiny_qwen3, policy="citer", policy_args={"router": str(tmp_path / "c32.pt")}) as r:
-        with pytest.raises(RouterError, match="built for hidden size 32.*size 64"):
-            await r.generate([5, 6, 7], max_tokens=4)
-        good = EnsemblePolicy([0.5, 0.5])
-        good.bind(["small", "large"])
-        r.policy = good
+    with pytest.raises(ValueError, match="hidden size 32; the small model 'small' has hidden_size 64"):
+        await pair(tiny_qwen3, policy="citer", policy_args={"router": str(tmp_path / "c32.pt")}).start()
+    # given per request, it is refused at submit, and the router serves on
+    async with pair(tiny_qwen3, policy="ensemble", policy_args={"weights": [0.5, 0.5]}) as r:
+        with pytest.raises(ValueError, match="hidden size 32"):
+            await r.generate([5, 6, 7], max_tokens=4, policy=CITERPolicy(CITERRouter(32)))
         assert len((await r.generate([5, 6, 7], max_tokens=4, ignore_eos=True)).token_ids) == 4
+        assert r.num_active == 0

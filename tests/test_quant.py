@@ -7,13 +7,26 @@ import shutil
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
-
 from conftest import make_tiny_qwen3
-from engines import Engine
-from engines.quant import CONFIG_KEY, QuantLinear, check_quantization, declared_quantization
-from engines.quant_formats import (COMPUTE_DTYPE, check_shape, dequantize_int4, int4_cuda_bytes, int4_inner_k_tiles,
-                                   quantize_int4, quantize_int8)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engines import Engine, EngineConfig
+from engines.quant import (
+    CONFIG_KEY,
+    QuantLinear,
+    check_quantization,
+    declared_quantization,
+)
+from engines.quant_formats import (
+    COMPUTE_DTYPE,
+    check_shape,
+    dequantize_int4,
+    int4_cuda_bytes,
+    int4_inner_k_tiles,
+    quantize_int4,
+    quantize_int8,
+)
 
 CPU = torch.device("cpu")
 
@@ -127,16 +140,22 @@ def test_shapes_a_kernel_cannot_take_are_refused_before_the_kernel_runs():
     check_shape("int4", 8, 32, torch.device("cuda"))  # CUDA tiles N by 8
 
 
-def test_unknown_quantization_names_the_choices(tiny_qwen3):
+def _engine(path, quantization: str | None = None) -> Engine:
+    return Engine(path, config=EngineConfig(quantization=quantization), load_tokenizer=False)
+
+
+def test_unknown_quantization_names_the_choices():
     assert check_quantization(None) is None and check_quantization("int4") == "int4"
     with pytest.raises(ValueError, match="unknown quantization 'int3'; use one of int4, int8"):
-        Engine(tiny_qwen3, quantization="int3", load_tokenizer=False)
+        check_quantization("int3")
+    with pytest.raises(ValueError, match="EngineConfig.quantization must be one of int4, int8 or None, got 'int3'"):
+        EngineConfig(quantization="int3")
 
 
 def test_a_model_the_kernels_cannot_take_names_its_layer(tmp_path):
     path = make_tiny_qwen3(tmp_path / "m", hidden=40, heads=4, kv_heads=2)
     with pytest.raises(ValueError, match=r"cannot quantize layers\.0\.self_attn\.qkv_proj .* to int4"):
-        Engine(path, quantization="int4", load_tokenizer=False)
+        _engine(path, "int4")
 
 
 def test_a_quantized_layer_refuses_to_move():
@@ -145,6 +164,12 @@ def test_a_quantized_layer_refuses_to_move():
         lin.to("meta")
     with pytest.raises(ValueError, match="cannot be moved or cast"):
         lin.float()  # would turn the bf16 scales into fp32, which the kernel refuses
+
+
+def _embedding_and_norms(eng: Engine) -> int:
+    c = eng.model_config
+    norms = c.num_hidden_layers * (2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)) + c.hidden_size
+    return c.vocab_size * c.hidden_size + norms
 
 
 def _greedy(eng: Engine, prompts: list[list[int]], n: int = 12) -> list[list[int]]:
@@ -174,11 +199,11 @@ def test_quantized_engine_tracks_fp32(tmp_path, scheme, tie):
         save_file(sd, str(f), metadata={"format": "pt"})
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (5, 9, 17, 3)]
-    dense = Engine(path, load_tokenizer=False)
-    quant = Engine(path, quantization=scheme, load_tokenizer=False)
-    n_quant = sum(isinstance(m, QuantLinear) for m in quant.runner.model.modules())
-    assert n_quant == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the head
+    dense, quant = _engine(path), _engine(path, scheme)
+    # every linear layer, the head included, left the parameters: the embedding and norms remain
+    assert quant.num_params == _embedding_and_norms(dense)
     ref, got = _logits(dense, prompts), _logits(quant, prompts)
+    assert not torch.equal(got, ref)
     assert (got - ref).norm() <= 0.03 * ref.norm()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
     a, b = _greedy(dense, prompts), _greedy(quant, prompts)
@@ -192,14 +217,14 @@ def test_checkpoint_can_ask_to_be_loaded_quantized(tmp_path, tiny_qwen3):
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, CONFIG_KEY: "int8"}))
     assert declared_quantization(path) == "int8" and declared_quantization(tiny_qwen3) is None
-    eng = Engine(path, load_tokenizer=False)
-    assert isinstance(eng.runner.model.layers[0].mlp.down_proj, QuantLinear)
-    assert eng.runner.model.layers[0].mlp.down_proj.method == "int8"
-    explicit = Engine(path, quantization="int4", load_tokenizer=False)  # an explicit argument wins
-    assert explicit.runner.model.layers[0].mlp.down_proj.method == "int4"
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    declared, int8, int4 = _logits(_engine(path), prompts), _logits(_engine(tiny_qwen3, "int8"), prompts), \
+        _logits(_engine(tiny_qwen3, "int4"), prompts)
+    assert torch.equal(declared, int8) and not torch.equal(declared, _logits(_engine(tiny_qwen3), prompts))
+    assert torch.equal(_logits(_engine(path, "int4"), prompts), int4)  # an explicit argument wins
     (path / "config.json").write_text(json.dumps({**cfg, CONFIG_KEY: "fp3"}))
     with pytest.raises(ValueError, match=f"{CONFIG_KEY}: unknown quantization 'fp3'"):
-        Engine(path, load_tokenizer=False)
+        _engine(path)
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engines import Engine, SamplingParams
-from policies import STAY, ReqView, RouteInput
+from policies import STAY, ReqView, StepResult
 
 SNIPPET = Path(__file__).resolve().parent.parent / "docs-snippets" / "custom_policy.py"
 PROMPT = [7, 42, 99, 3, 250, 18]
@@ -38,12 +38,12 @@ def test_snippet_policy_routes_on_top1(snippet):
     pol = snippet["LowConfidence"]()
     pol.bind(["small", "large"])
     logits = torch.log(torch.tensor([[0.9, 0.05, 0.05], [0.3, 0.3, 0.4], [0.5, 0.25, 0.25]]))
-    views = [ReqView(f"r{i}", [1, 2, 3, 4], 2, 8, (4, 3), (0, 0), {}) for i in range(3)]
-    ri = RouteInput(logits, torch.tensor([0, 2, 0]), None, views)
-    assert pol.route(0, ri) == [STAY, 1, STAY]
-    assert pol.route(1, ri) == [1, 1, 1]
-    up, back = pol.send(0, views[0], 1), pol.send(1, views[0]._replace(seen=(3, 4)), 0)
-    assert (up.tokens, up.loc) == ([4], 3) and (back.tokens, back.loc) == ([4, 8], 3)
+    views = [ReqView(f"r{i}", 0, [1, 2, 3, 4], 2, 8, (4, 3), (0, 0), {}) for i in range(3)]
+    assert pol.route(StepResult(0, logits, torch.tensor([0, 2, 0]), None, views)) == [STAY, 1, STAY]
+    assert pol.route(StepResult(1, logits, torch.tensor([0, 2, 0]), None, views)) == [1, 1, 1]
+    up = pol.send(views[0]._replace(peer=1))
+    back = pol.send(views[0]._replace(model=1, seen=(3, 4), peer=0))
+    assert (up.tokens, up.loc) == ([4], 4) and (back.tokens, back.loc) == ([4, 8], 4)
 
 
 async def test_snippet_main_runs_on_tiny_models(snippet, tiny_qwen3, capsys):

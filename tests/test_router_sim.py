@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from aiorouter import Router
-from policies import PeerReq, Policy
+from policies import Policy
 
 
 class MatrixPolicy(Policy):
@@ -17,17 +17,18 @@ class MatrixPolicy(Policy):
     move, as in a mixture ensemble."""
     name = "matrix"
 
+    commit_on_send = True
+
     def __init__(self, P, seed=0):
         self.P = np.asarray(P, dtype=float)
         self.rng = np.random.default_rng(seed)
 
-    def route(self, model, result):
-        targets = self.rng.choice(len(self.P), size=len(result.reqs), p=self.P[model])
-        return [self.to_peer(model, int(t)) for t in targets]
+    def bind(self, model_names):
+        super().bind(model_names)
+        self.by_dest = [self.P[i][[i] + self.peers(i)] for i in range(self.M)]  # row i in destination order
 
-    def send(self, model, req, target):
-        seen = req.seen[target]
-        return PeerReq(req.rid, req.token_ids[seen:] + [req.sampled], seen)
+    def route(self, result):
+        return self.rng.choice(self.M, size=len(result.reqs), p=self.by_dest[result.model]).tolist()
 
 
 def sim_models(latencies_ms):
@@ -118,15 +119,16 @@ def test_auto_thresholds_come_from_the_throughput_model():
     async def main():
         async with Router({"small": {"engine": "sim", "latency_ms": 6.0}, "large": {"engine": "sim", "latency_ms": 27.9}},
                           policy="random", policy_args={"p": 0.35}, tune_concurrency=6) as r:
-            assert r._thresholds[4] == (1, 1)  # serving starts at once, eagerly
+            assert r.thresholds(4) == {"small": 1, "large": 1}  # serving starts at once, eagerly
             await r.wait_tuned()
-            lat = r.tuner.config.latency
-            spec = SystemSpec.build([[0.65, 0.35], [1, 0]], [[1, 0], [1, 0]], list(lat), r.tuner.config.delta)
+            tuner = r.tuning.tuner
+            lat = tuner.config.latency
+            spec = SystemSpec.build([[0.65, 0.35], [1, 0]], [[1, 0], [1, 0]], list(lat), tuner.config.delta)
             for n in (2, 4, 6):
-                assert r._thresholds[n] == best_thresholds(spec, n).best
-            assert r._thresholds[4][1] >= 2  # the paper's finding: the large model waits for a batch
-            assert r._thresholds[20] == r._thresholds[6]  # past the solved range: its last row
+                assert tuple(r.thresholds(n).values()) == best_thresholds(spec, n).best
+            assert r.thresholds(4)["large"] >= 2  # the paper's finding: the large model waits for a batch
+            assert r.thresholds(20) == r.thresholds(6)  # past the solved range: its last row
             await closed_loop(r, 4, total_requests=4, max_tokens=20)
-            assert r.tuner.estimator.observations > 0  # routing decisions feed the online estimate of P
+            assert tuner.estimator.observations > 0  # routing decisions feed the online estimate of P
 
     asyncio.run(main())

@@ -12,8 +12,9 @@ import torch
 
 import triton  # the test extra brings it: a missing install fails here rather than skipping
 
-from engines.attention import BatchLayout, TorchBackend  # noqa: E402
-from engines.triton_backend import TritonBackend  # noqa: E402
+from engines.attention import BatchLayout  # noqa: E402
+from engines.attention.torch_backend import TorchBackend  # noqa: E402
+from engines.attention.triton_backend import TritonBackend  # noqa: E402
 from engines.triton_kernels import extend_work  # noqa: E402
 from attn_cases import random_step  # noqa: E402
 

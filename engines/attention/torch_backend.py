@@ -1,50 +1,14 @@
-"""Attention backends over the paged KV pool.
-
-The engine lays a step out as `BatchLayout` (decodes first, then extends) once; a backend
-turns it into its own metadata with `plan` once per step, and `forward` is called per layer.
-The torch backend runs anywhere (it is the CPU path and the reference); the flashinfer and
-Triton backends (CUDA) plug in behind the same two calls. A backend whose `graph_safe` is True
-returns plan metadata that a captured CUDA graph can take by copy (engines/cuda_graph.py).
-"""
+"""The portable attention backend: SDPA over K/V gathered from the pool. It runs anywhere and is
+the reference the other backends are tested against."""
 from __future__ import annotations
 
-import os
-from abc import ABC, abstractmethod
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-
-class BatchLayout(NamedTuple):
-    num_decodes: int  # the first num_decodes sequences compute exactly one token each
-    q_lens: list[int]  # tokens computed this step, per sequence
-    kv_lens: list[int]  # context length after this step, per sequence
-    slot_mapping: torch.Tensor  # [T] int64: pool slot for each new token's K/V
-    block_tables: torch.Tensor  # [B, max_pages] int64, padded with 0
-    page_size: int
-    host_block_tables: list[list[int]] | None = None  # the same, unpadded, for planners on the host
-
-
-class AttentionBackend(ABC):
-    graph_safe = False  # plan -> NamedTuple of fixed-shape tensors and ints, forward syncs nothing
-    @abstractmethod
-    def plan(self, layout: BatchLayout) -> object:
-        """Per-step metadata shared by every layer."""
-
-    @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: object) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D], caches [num_slots, Hkv, D] -> out [T, H, D].
-
-        Writes this step's k/v into the caches first."""
-
-
-class _Extend(NamedTuple):
-    q_start: int
-    q_end: int
-    kv_slots: torch.Tensor | None  # [kv_len] int64, None when there is no cached prefix
-    mask: torch.Tensor | None  # [q_len, kv_len] bool (True = attend), None -> plain causal
+from engines.attention.base import AttentionBackend, BatchLayout
+from engines.attention.sdpa import Extend, plan_extend, run_extends
 
 
 class _DecodeGroup(NamedTuple):
@@ -60,7 +24,7 @@ class TorchMeta(NamedTuple):
     num_decodes: int
     decode_slots: torch.Tensor | None  # [sum over groups of n * max_kv] int64, group after group
     decode_groups: list[_DecodeGroup]
-    extends: list[_Extend]
+    extends: list[Extend]
     memo: dict  # filled by the first layer, reused by the rest: gather rows per Hkv, masks per dtype
 
 
@@ -186,77 +150,3 @@ class TorchBackend(AttentionBackend):
             out = torch.empty(T, h, d, dtype=q.dtype, device=q.device)
         run_extends(q, k, v, k_cache, v_cache, meta.extends, out)
         return out
-
-def plan_extend(layout: BatchLayout, i: int, q0: int) -> _Extend:
-    """Sequence i of the layout, whose query rows start at q0, as an SDPA extend."""
-    ps, bt, dev = layout.page_size, layout.block_tables, layout.slot_mapping.device
-    q_len, kv_len = layout.q_lens[i], layout.kv_lens[i]
-    prefix = kv_len - q_len
-    if prefix == 0:
-        return _Extend(q0, q0 + q_len, None, None)
-    pos = torch.arange(kv_len, device=dev)
-    slots = bt[i, pos // ps] * ps + pos % ps
-    mask = pos[None, :] <= (prefix + torch.arange(q_len, device=dev))[:, None]
-    return _Extend(q0, q0 + q_len, slots, mask)
-
-
-def run_extends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, extends: list[_Extend], out: torch.Tensor) -> None:
-    """SDPA per extend, each alone (a long prefill never pads anything), into out's rows."""
-    for e in extends:
-        qe = q[e.q_start:e.q_end].transpose(0, 1)[None]  # [1, H, q_len, D]
-        if e.kv_slots is None:
-            ke = k[e.q_start:e.q_end].transpose(0, 1)[None]
-            ve = v[e.q_start:e.q_end].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qe, ke, ve, is_causal=True, enable_gqa=True)
-        else:
-            ke = k_cache.index_select(0, e.kv_slots).transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
-            ve = v_cache.index_select(0, e.kv_slots).transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=e.mask[None, None], enable_gqa=True)
-        out[e.q_start:e.q_end] = o[0].transpose(0, 1)
-
-
-BACKENDS = ("flashinfer", "triton", "torch")  # preference order on CUDA; CPU: "cpu", else "torch"
-
-
-def select_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
-    """Pick by device, never by a successful import: flashinfer and triton import on CPU machines
-    but none of their kernels run there. On CUDA the first installed of BACKENDS; on CPU the
-    kernel backend (engines/cpu_attention.py) when it builds, else torch. `name` forces one
-    ("torch" works everywhere, "cpu" on CPU, the others need CUDA; "triton" also runs on CPU under the
-    Triton interpreter, TRITON_INTERPRET=1, which only tests and dry runs want)."""
-    device = torch.device(device)
-    if name is None:
-        name = "torch"
-        if device.type == "cuda" and torch.cuda.is_available():
-            name = next(b for b in BACKENDS if b == "torch" or _has(b))
-        elif device.type == "cpu":
-            from engines import cpu_attention
-            op = cpu_attention.load()  # None (and one warning) when the kernel cannot be built here
-            return cpu_attention.CpuBackend(op) if op is not None else TorchBackend()
-    if name == "torch":
-        return TorchBackend()
-    if name == "cpu":
-        from engines import cpu_attention
-        if device.type != "cpu":
-            raise ValueError(f"attention backend 'cpu' runs on CPU tensors only, got {device}")
-        op = cpu_attention.load()
-        if op is None:
-            raise RuntimeError("attention backend 'cpu': its kernel could not be built here (see the warning above)")
-        return cpu_attention.CpuBackend(op)
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: torch, cpu (CPU kernel), "
-                         "triton (CUDA), flashinfer (CUDA)")
-    interpreted = name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests, dry runs
-    if device.type != "cuda" and not interpreted:
-        raise ValueError(f"attention backend {name!r} needs a CUDA device, got {device}")
-    if name == "triton":
-        from engines.triton_backend import TritonBackend
-        return TritonBackend()
-    from engines.flashinfer_backend import FlashInferBackend
-    return FlashInferBackend(device)
-
-
-def _has(module: str) -> bool:
-    import importlib.util
-    return importlib.util.find_spec(module) is not None

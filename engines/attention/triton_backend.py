@@ -9,12 +9,11 @@ against TorchBackend); bench/gpu_check.py is where it first runs compiled on a G
 """
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
 
-from engines.attention import AttentionBackend, BatchLayout
+from engines.attention.base import AttentionBackend, BatchLayout
 from engines.devices import host_tensor
 from engines.triton_kernels import extend_work, paged_decode, paged_extend, store_kv
 
@@ -28,13 +27,6 @@ class TritonMeta(NamedTuple):
     work_mblk: torch.Tensor  # [W] int32, which BLOCK_M block of that sequence
     num_decodes: int  # rows [0, num_decodes) of q are one-token decodes
     page_size: int
-
-
-def _device(t: torch.Tensor):
-    """Triton launches on the current CUDA device: make it t's (a device group's later stages)."""
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
 
 
 class TritonBackend(AttentionBackend):
@@ -58,13 +50,10 @@ class TritonBackend(AttentionBackend):
                           nd, layout.page_size)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonMeta):
-        # q [T, H, D], k/v [T, Hkv, D], caches [slots, Hkv, D]
+        # q [T, H, D], k/v [T, Hkv, D], caches [slots, Hkv, D]. Triton launches on the current CUDA
+        # device: the caller makes it q's (ModelRunner per step, CausalLM.forward_stages per stage)
         if q.shape[-1] < 16:
             raise ValueError(f"the Triton backend needs head_dim >= 16 (tl.dot), got {q.shape[-1]}")
-        with _device(q):
-            return self._forward(q, k, v, k_cache, v_cache, meta)
-
-    def _forward(self, q, k, v, k_cache, v_cache, meta: TritonMeta):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         scale = q.shape[-1] ** -0.5

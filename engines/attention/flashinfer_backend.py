@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from engines.attention import AttentionBackend, BatchLayout
+from engines.attention.base import AttentionBackend, BatchLayout
 from engines.paged_meta import build_paged_meta
 
 

@@ -17,7 +17,8 @@ from typing import NamedTuple
 import torch
 
 from engines import cpu_kernels
-from engines.attention import AttentionBackend, BatchLayout, _Extend, plan_extend, run_extends
+from engines.attention.base import AttentionBackend, BatchLayout
+from engines.attention.sdpa import Extend, plan_extend, run_extends
 
 def load():
     """-> the paged attention op, or None if the CPU kernels cannot be built here (warned once)."""
@@ -33,7 +34,7 @@ class CpuMeta(NamedTuple):
     block_tables: torch.Tensor  # [B, max_pages] int64, contiguous
     page_size: int
     seqs: torch.Tensor | None  # [n, 4] int64 (block-table row, q_start, q_len, kv_len) for the kernel
-    extends: list[_Extend]  # the long extends, for SDPA
+    extends: list[Extend]  # the long extends, for SDPA
 
 
 class CpuBackend(AttentionBackend):

@@ -1,0 +1,152 @@
+"""Launch control: when each model may launch its next step, and the inboxes that wake it.
+
+One object, handed by the router to every subserver, owns what the launch decision reads across
+models: the inboxes (a handoff is a put on the peer's queue), messages posted and not yet handled,
+models inside a step, each model's ready count, the delayed-batching thresholds, stalls and kicks,
+and step-sync's rounds. All of it runs on the event loop; nothing here blocks.
+
+Modes (one subserver loop serves all three):
+- `eager`: launch whenever something is ready.
+- `delayed`: launch at B_i ready requests, or when every active request is already here (nothing
+  else can arrive), or when kicked out of a stall.
+- `sync`: step-sync rounds. A round opens when no model is stepping and no message is in flight;
+  its members are the models with ready work at that moment, and the next round waits for all of them.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Mapping
+
+from aiorouter.request import Handoff, NewRequest, Wake
+
+MODES = ("delayed", "eager", "sync")
+
+
+def parse_thresholds(spec: object, names: list[str], max_concurrency: int) -> dict[int, tuple[int, ...]] | None:
+    """A dict model -> B (any concurrency) or N -> {model: B}; None means "ask the tuner"."""
+    if spec in ("auto", None):
+        return None
+    if not isinstance(spec, Mapping) or not spec:
+        raise ValueError(f"thresholds must be 'auto', a dict model->B, or a dict N->{{model: B}}; got {spec!r}")
+
+    def vector(d: Mapping) -> tuple[int, ...]:
+        unknown = [k for k in d if k not in names]
+        if unknown:
+            raise ValueError(f"thresholds name unknown model {unknown[0]!r}; models: {', '.join(names)}")
+        b = tuple(int(d.get(n, 1)) for n in names)
+        if any(x < 1 for x in b):
+            raise ValueError(f"thresholds must be >= 1, got {dict(zip(names, b))}")
+        return b
+
+    if all(isinstance(k, str) for k in spec):
+        b = vector(spec)
+        return {n: b for n in range(1, max_concurrency + 1)}
+    if all(isinstance(k, int) for k in spec):
+        table = {int(n): vector(d) for n, d in spec.items()}
+        return {n: table[max([k for k in table if k <= n], default=min(table))] for n in range(1, max_concurrency + 1)}
+    raise ValueError("thresholds keys must be all model names or all concurrency levels")
+
+
+def should_launch(ready: int, threshold: int, num_active: int) -> bool:
+    """Launch at `threshold` ready requests, or when every active request is already here:
+    then nothing else can arrive, and waiting would deadlock."""
+    return ready > 0 and (ready >= threshold or ready >= num_active)
+
+
+class LaunchControl:
+    def __init__(self, mode: str, num_models: int, max_concurrency: int,
+                 thresholds: Mapping[int, tuple[int, ...]] | None = None, max_wait_s: float | None = None):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+        self.mode, self.num_models, self.max_concurrency, self.max_wait_s = mode, num_models, max_concurrency, max_wait_s
+        self.inboxes = [asyncio.Queue() for _ in range(num_models)]
+        self.table: dict[int, tuple[int, ...]] = dict(thresholds or {n: (1,) * num_models
+                                                                     for n in range(1, max_concurrency + 1)})
+        self.num_active = 0  # requests in the system (the closed-loop N the thresholds are solved for)
+        self.ready = [0] * num_models  # per model: sequences a step could compute, as last reported
+        self.busy = 0  # models inside a step
+        self.in_flight = 0  # NewRequest / Handoff messages posted and not yet handled
+        self.kicked = [False] * num_models
+        self.round: set[int] = set()  # sync: members of the current round that have not launched yet
+
+    # -- inboxes ---------------------------------------------------------------------------------
+    def post(self, model: int, msg: object) -> None:
+        if isinstance(msg, (NewRequest, Handoff)):
+            self.in_flight += 1
+        self.inboxes[model].put_nowait(msg)
+
+    def handled(self, msg: object) -> None:
+        """The receiving subserver has handled `msg` (its ready count is reported next)."""
+        if isinstance(msg, (NewRequest, Handoff)):
+            self.in_flight -= 1
+
+    def wake_all(self, but: int | None = None) -> None:
+        for i in range(self.num_models):
+            if i != but:
+                self.post(i, Wake())
+
+    # -- state the subservers and the request table report -----------------------------------------
+    def set_ready(self, model: int, n: int) -> None:
+        self.ready[model] = n
+
+    def set_active(self, n: int) -> None:
+        """The active count changed: every threshold may have changed with it."""
+        if n != self.num_active:
+            self.num_active = n
+            if self.mode == "delayed":
+                self.wake_all()
+
+    def set_thresholds(self, table: Mapping[int, tuple[int, ...]]) -> None:
+        self.table = dict(table)
+        self.wake_all()
+
+    def threshold(self, model: int) -> int:
+        return self.table[min(max(1, self.num_active), self.max_concurrency)][model]
+
+    def thresholds_at(self, n: int) -> tuple[int, ...]:
+        return self.table[min(max(1, n), self.max_concurrency)]
+
+    # -- the decision ----------------------------------------------------------------------------
+    def may_launch(self, model: int) -> bool:
+        ready = self.ready[model]
+        if ready == 0:
+            return False
+        if self.mode == "eager" or self.kicked[model]:
+            return True
+        if self.mode == "delayed":
+            return should_launch(ready, self.threshold(model), self.num_active)
+        if model in self.round:
+            return True
+        if not self.round and self.busy == 0 and self.in_flight == 0:  # sync: open the next round
+            self.round = {i for i, r in enumerate(self.ready) if r > 0}
+            for i in self.round - {model}:
+                self.post(i, Wake())
+            return True
+        return False
+
+    def started(self, model: int) -> None:
+        self.busy += 1
+        self.kicked[model] = False
+        self.round.discard(model)
+
+    def ended(self, model: int) -> None:
+        self.busy -= 1
+        if self.mode == "sync" and self.busy == 0 and not self.round:
+            self.wake_all(but=model)  # the round is over: whoever has work may open the next
+
+    def kick_if_stalled(self, model: int) -> bool:
+        """Delayed mode, `model` waits below its threshold: if no model is stepping and nothing is in
+        flight, nothing changes unless someone launches, so the model with the most ready requests
+        does (the active count can fall below what the thresholds were solved for as load drains).
+        True when that is `model` itself."""
+        if self.mode != "delayed" or self.busy or self.in_flight or not self.ready[model]:
+            return False
+        best = max(range(self.num_models), key=lambda i: (self.ready[i], -i))
+        self.kicked[best] = True
+        if best != model:
+            self.post(best, Wake())
+        return best == model
+
+    def wait_timeout(self, model: int) -> float | None:
+        """How long `model` may wait on its inbox: the max-wait bound while requests wait below a threshold."""
+        return self.max_wait_s if self.mode == "delayed" and self.ready[model] and self.max_wait_s else None

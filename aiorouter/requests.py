@@ -1,0 +1,88 @@
+"""The router's active requests and how they end. Tokens are committed here and only here
+(engines/output.py does the stop checks and the text), so each is streamed once, in order,
+whichever model made it; an ending releases the request's KV on every model that holds it."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from aiorouter.launch import LaunchControl
+from aiorouter.metrics import RouterMetrics
+from aiorouter.request import Release, RouterError, RouterRequest, StreamEvent
+from engines import SamplingParams
+from engines.output import OutputStream
+from policies.base import Policy
+
+
+class RequestTable:
+    def __init__(self, names: list[str], metrics: RouterMetrics, launch: LaunchControl):
+        self.names, self.metrics, self.launch = names, metrics, launch
+        self.active: dict[str, RouterRequest] = {}
+
+    def __len__(self) -> int:
+        return len(self.active)
+
+    def new(self, ids: list[int], sampling: SamplingParams, policy: Policy, tokenizer, eos_ids: tuple[int, ...],
+            max_model_len: int) -> RouterRequest:
+        out = OutputStream(list(ids), len(ids), sampling, eos_ids, max_model_len, tokenizer)
+        req = RouterRequest(uuid.uuid4().hex, out, policy, len(self.names))
+        self.active[req.rid] = req
+        self.metrics.requests_started += 1
+        self._count()
+        return req
+
+    def commit(self, req: RouterRequest, tokens: list[int], model: int) -> None:
+        """`model` commits `tokens` for `req`: each is streamed as one event; a stop ends the request."""
+        name = self.names[model]
+        for t in tokens:
+            if req.finished:
+                return
+            c = req.out.append(t)
+            req.trace.append(model)
+            self.metrics.models[name].tokens_committed += 1
+            if req.t_first_token is None:
+                req.t_first_token = time.perf_counter()
+            req.events.put_nowait(StreamEvent(t, c.text, name, req.num_output_tokens - 1, c.finish_reason))
+            if c.finish_reason is not None:
+                self._end(req)
+
+    def finish(self, req: RouterRequest, reason: str = "stop") -> None:
+        """End a request that committed no stop token (a policy's finished PeerReq)."""
+        if not req.finished:
+            text = req.out.finish(reason)
+            req.events.put_nowait(StreamEvent(None, text, None, req.num_output_tokens, reason))
+            self._end(req)
+
+    def fail(self, req: RouterRequest, err: BaseException) -> None:
+        if req.finished:
+            return
+        req.error = err if isinstance(err, RouterError) else RouterError(str(err))
+        req.out.finish("error")
+        self.metrics.requests_failed += 1
+        req.events.put_nowait(req.error)
+        self._end(req)
+
+    def abort(self, req: RouterRequest) -> None:
+        if not req.finished:
+            req.out.finish("abort")
+            self._end(req)
+
+    def count_handoff(self, src: int, dst: int) -> None:
+        self.metrics.handoffs[(self.names[src], self.names[dst])] += 1
+
+    def fail_all(self, err: BaseException) -> None:
+        for req in list(self.active.values()):
+            self.fail(req, err)
+
+    def _end(self, req: RouterRequest) -> None:
+        if self.active.pop(req.rid, None) is None:
+            return
+        self.metrics.requests_finished[req.finish_reason] += 1
+        for i, seq in enumerate(req.local):
+            if seq is not None:
+                self.launch.post(i, Release(req))
+        self._count()
+
+    def _count(self) -> None:
+        self.metrics.active = len(self.active)
+        self.launch.set_active(len(self.active))
