@@ -75,7 +75,7 @@ class Engine:
         tokenizer = self._load_tokenizer() if load_tokenizer else None
         # a group loads on the host and the runner places each stage's layers on its device
         model = load_model(self.path, model_config, dtype, device if len(devices) == 1 else torch.device("cpu"),
-                           ecfg.load_format)
+                           ecfg.load_format, ecfg.quantization)
         runner = ModelRunner(model, model_config, ecfg, dtype, device, max_model_len=ecfg.max_model_len,
                              devices=devices, streams=streams)
         self._setup(model_config, ecfg, runner, tokenizer, devices, dtype)
