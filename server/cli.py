@@ -58,7 +58,8 @@ def parse_models(items: list[str] | None) -> dict[str, ModelSpec]:
                     raise ValueError
             except ValueError:
                 raise CliError(f"--model {item!r}: sim takes sim:LATENCY_MS[:SLOPE_MS]") from None
-            models[name] = ModelSpec(engine="sim", latency_ms=nums[0], latency_slope_ms=nums[1] if len(nums) > 1 else 0.0)
+            models[name] = ModelSpec(engine="sim", latency_ms=nums[0],
+                                     latency_slope_ms=nums[1] if len(nums) > 1 else 0.0)
         else:
             if not Path(value).is_dir():
                 raise CliError(f"--model {name}: {value!r} is not a directory")

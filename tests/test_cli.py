@@ -91,5 +91,20 @@ def test_generate_without_a_chat_template_says_to_use_raw(tiny_chat_model, tmp_p
     p = aiorouter_cmd("generate", "hello", "--model", f"m={base}", "--policy", "single", *small_kv)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "aiorouter generate: error: the entry model's tokenizer has no chat template: add --raw" in p.stderr
-    p = aiorouter_cmd("generate", "hello", "--model", f"m={base}", "--policy", "single", "--raw", "--max-tokens", "3", *small_kv)
+    p = aiorouter_cmd("generate", "hello", "--model", f"m={base}", "--policy", "single", "--raw", "--max-tokens", "3",
+                      *small_kv)
     assert p.returncode == 0, p.stderr
+
+
+@pytest.mark.slow
+def test_cpu_kernel_build_says_what_it_does_once(tmp_path):
+    """A first run waits ~15 s for the compiler: it says so on stderr; a cached build is silent."""
+    code = "from engines import cpu_kernels; assert cpu_kernels.load() is not None"
+    env = {**ENV, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=900) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr
+    lines = runs[0].stderr.splitlines()
+    assert lines[0].startswith("aiorouter: compiling the CPU kernels") and str(tmp_path) in lines[0]
+    assert re.fullmatch(r"aiorouter: CPU kernels compiled in [\d.]+ s", lines[1]), lines
+    assert "compil" not in runs[1].stderr

@@ -119,8 +119,8 @@ def run_notebook(setup: list[str], monkeypatch) -> list[str]:
 
 def test_jupyter_notebook_runs_and_closes_on_tiny_models(tiny_chat_model, monkeypatch):
     setup = ["import aiorouter.defaults\nfrom aiorouter import ModelSpec\n"
-             f"aiorouter.defaults.default_models = lambda: {{n: ModelSpec(path={str(tiny_chat_model)!r}, num_kv_tokens=4096) "
-             "for n in ('small', 'large')}"]
+             "aiorouter.defaults.default_models = lambda: {n: ModelSpec(path=PATH, num_kv_tokens=4096) "
+             "for n in ('small', 'large')}".replace("PATH", repr(str(tiny_chat_model)))]
     printed = run_notebook(setup, monkeypatch)
     assert printed[1]  # the streamed answer
 
@@ -166,7 +166,8 @@ def serving(*args: str):
 
 
 def curl_answers(port: int) -> list[dict]:
-    out, docs, decoder = run(["bash", "-c", at_port(snippet("curl.sh"), port)], timeout=600).strip(), [], json.JSONDecoder()
+    out = run(["bash", "-c", at_port(snippet("curl.sh"), port)], timeout=600).strip()
+    docs, decoder = [], json.JSONDecoder()
     while out:  # curl prints the two JSON bodies back to back
         doc, end = decoder.raw_decode(out)
         docs.append(doc)

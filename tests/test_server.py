@@ -243,7 +243,8 @@ def test_sigterm_finishes_in_flight_and_exits_0(tmp_path):
 async def test_generation_is_refused_with_503_until_the_models_are_ready(tiny_chat_model):
     async with running_server(pair(tiny_chat_model), ready=False) as (url, server, router):
         async with aiohttp.ClientSession() as s:
-            async with s.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}) as r:
+            chat = {"messages": [{"role": "user", "content": "hi"}]}
+            async with s.post(url + "/v1/chat/completions", json=chat) as r:
                 assert r.status == 503 and r.headers["Retry-After"] == "1"
                 assert "still loading" in (await r.json())["error"]["message"]
 
