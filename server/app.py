@@ -130,7 +130,7 @@ class Server:
             err = e.errors()[0]
             loc = ".".join(str(x) for x in err["loc"]) or None
             # our validators' own words, without pydantic's "Value error, " in front
-            msg = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+            msg = str(err.get("ctx", {}).get("error", err["msg"])) if err["type"] == "value_error" else err["msg"]
             raise ApiError(400, f"{loc}: {msg}" if loc else msg, param=loc) from None
 
     def _check_model(self, name: str | None) -> None:
