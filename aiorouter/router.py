@@ -29,6 +29,10 @@ from policies import ModelInfo, Policy, make_policy
 
 log = logging.getLogger("aiorouter")
 
+# The one prompt convention (as vLLM's LLM.generate and the OpenAI endpoints): a string is raw
+# completion text, tokenized as is; a list of {"role", "content"} messages is chat, rendered with
+# the entry model's chat template; a list of ints is token ids. `aiorouter generate` sends its text
+# as one user message, /v1/completions a string, /v1/chat/completions messages.
 Prompt = str | list[int] | list[dict[str, str]]
 
 
@@ -75,9 +79,13 @@ class Router:
     async def start(self) -> "Router":
         if self._tasks:
             return self
-        engines = [s if isinstance(s, Engine) else await asyncio.to_thread(s.build, self.device, self.kv_memory_gb,
-                                                                           len(self.specs), self.streams)
-                   for s in self.specs]
+        engines = []
+        for name, s in zip(self.names, self.specs):
+            if not isinstance(s, Engine):
+                log.info("loading model %s: %s", name, s.path if s.engine == "real" else "simulated")
+            engines.append(s if isinstance(s, Engine) else
+                           await asyncio.to_thread(s.build, self.device, self.kv_memory_gb, len(self.specs),
+                                                   self.streams))
         self._models = [ModelInfo(n, str(e.path) if e.path is not None else None, e.model_config.vocab_size,
                                   e.model_config.hidden_size, str(e.devices[-1])) for n, e in zip(self.names, engines)]
         self.policy.setup(self._models)
@@ -205,7 +213,9 @@ class Router:
 
     # -- client API ----------------------------------------------------------------------------
     def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt: text is tokenized as is, chat messages through the chat template."""
+        """Token ids of a prompt (see `Prompt`): text is tokenized as is, with no chat template (a chat
+        model given a bare question may answer nothing: pass messages), chat messages go through the
+        entry model's chat template, token ids pass through."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -224,7 +234,9 @@ class Router:
     def submit(self, prompt: Prompt, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, min_p: float = 0.0, seed: int | None = None, stop: str | list[str] | None = None,
                ignore_eos: bool = False, policy: Policy | None = None) -> RouterRequest:
-        """Validate and enqueue a request; read its events with `events`. Most users want `stream`."""
+        """Validate and enqueue a request; read its events with `events`. Most users want `stream`.
+        Decoding is greedy unless told otherwise (a library call should be reproducible); the HTTP
+        server fills omitted fields from the model's generation_config.json instead, as vLLM does."""
         if not self._tasks:
             raise RuntimeError("router is not started: use `async with Router(...)` or `await router.start()`")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -267,8 +279,10 @@ class Router:
         return start
 
     async def stream(self, prompt: Prompt, **kwargs: Any) -> AsyncIterator[StreamEvent]:
-        """Yield one event per committed token, in order, exactly once. Leaving the loop early
-        (break, cancellation, a client disconnect) aborts the request on every model."""
+        """Yield one event per committed token, in order, exactly once. `prompt` follows `Prompt`
+        (a string is raw text, messages are chat); `kwargs` are `submit`'s (greedy by default).
+        Leaving the loop early (break, cancellation, a client disconnect) aborts the request on
+        every model."""
         req = self.submit(prompt, **kwargs)
         async with contextlib.aclosing(self.events(req)) as events:
             async for ev in events:
@@ -288,6 +302,7 @@ class Router:
             self._requests.abort(req)
 
     async def generate(self, prompt: Prompt, **kwargs: Any) -> GenerateResult:
+        """The whole answer at once; `prompt` and `kwargs` as in `stream`."""
         req = self.submit(prompt, **kwargs)
         ids, models, text, reason = [], [], [], ""
         async with contextlib.aclosing(self.events(req)) as events:
