@@ -33,7 +33,11 @@ def load():
     try:
         from torch.utils import cpp_extension
         from tqdm import tqdm
-        name = f"aiorouter_cpu_kernels_{_cpu_tag()}"
+        # one build per CPU and per checkout: ninja's build file names the sources by path, so two
+        # checkouts sharing one name rebuilt each other's build on every load (75 s per process start
+        # on the shared 2-core machine, where several worktrees serve at once)
+        checkout = hashlib.sha1(str(_SOURCES[0].parent.resolve()).encode()).hexdigest()[:6]
+        name = f"aiorouter_cpu_kernels_{_cpu_tag()}_{checkout}"
         with tqdm(total=1, desc="building the CPU kernels (once per machine)", leave=False, disable=None) as bar:
             cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], is_python_module=False,
                                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
