@@ -20,6 +20,7 @@ tables (bench/paper_report.py) into bench/RESULTS.md (--quick: DIR/RESULTS-paper
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -139,8 +140,8 @@ def requests_per_client(wl: W.Workload, wls: list[W.Workload], least: int) -> in
     """On the ~100-token prompts every client writes as many tokens at each output length (4 requests
     of L, 1 of 4L): a closed loop ends with its slowest client, and a request's routing draws spread
     its time by ~1/sqrt(tokens), so equal tokens per client give both lengths the same tail and the
-    throughput change is the length's own (one request of L against one of 4L read 20 % apart at
-    L = 32 on the sim, from the tail alone)."""
+    throughput change is the length's own: on the sim at N = 4, one request of 32 tokens against one
+    of 128 read 20 % apart; 4 against 1, 3 %."""
     family = [w.max_tokens for w in wls if w.name in ("low-effort", "high-effort")]
     if wl.name not in ("low-effort", "high-effort"):
         return least
@@ -182,17 +183,17 @@ async def _std_run(pair: Pair, system: str, wl: W.Workload, n: int, total: int, 
     from bench.std_serving import StdServing, TokenDispatcher, server_delta
     from policies import make_policy
     policy = make_policy(POLICY, POLICY_ARGS)
-    if system == "std-serving-http":
-        await http.reset()
-        disp = TokenDispatcher(http.clients, policy)
-        stats = http.stats
-    else:
-        std = await StdServing(pair.models, policy, pair.kv_memory_gb, STD_PAGE[pair.engine]).__aenter__()
-        disp = std.dispatcher
+    async with contextlib.AsyncExitStack() as stack:
+        if system == "std-serving-http":
+            await http.reset()
+            disp, stats = TokenDispatcher(http.clients, policy), http.stats
+        else:
+            std = await stack.enter_async_context(StdServing(pair.models, policy, pair.kv_memory_gb, STD_PAGE[pair.engine]))
+            disp = std.dispatcher
 
-        async def stats():  # no HTTP in process: nothing is handled outside the engine server
-            return {k: {**v, "handler_s": 0.0} for k, v in std.stats().items()}
-    try:
+            async def stats():  # no HTTP in process: nothing is handled outside the engine server
+                return {k: {**v, "handler_s": 0.0} for k, v in std.stats().items()}
+
         async def send(p, max_tokens=wl.max_tokens):
             async for _, model in disp.stream(p, max_tokens):
                 yield model
@@ -202,9 +203,6 @@ async def _std_run(pair: Pair, system: str, wl: W.Workload, n: int, total: int, 
         with heap.frozen():  # what Router.start does, for the baselines that have no Router
             res = await closed_loop(send, n, wl.prompts, total)
         after, t1 = await stats(), _snapshot(disp.times)
-    finally:
-        if system != "std-serving-http":
-            await std.__aexit__(None, None, None)
     out = res.summary()
     servers = {k: server_delta(before[k], after[k]) for k in after}
     out["servers"] = servers
@@ -292,25 +290,22 @@ async def sweep(args, pairs: list[Pair], plan: list[tuple], data: dict, path: Pa
             mine = [p for p in todo if p[0] is pair]
             if not mine:
                 continue
-            http = None
-            if any(p[3] == "std-serving-http" for p in mine):
-                bar.set_postfix_str(f"{pair.name}: starting the token servers")
-                specs = [ServerSpec(k, pair.http_models[k], pair.std_threads[k], STD_PAGE[pair.engine],
-                                    num_kv_tokens=(1 << 19) if pair.engine == "sim" else None,
-                                    kv_memory_gb=pair.kv_memory_gb / 2,
-                                    max_model_len=16384 if pair.engine == "sim" else None, vocab_size=SIM_VOCAB)
-                         for k in ("small", "large")]
-                http = await ServerProcesses(specs).__aenter__()
-            try:
+            async with contextlib.AsyncExitStack() as stack:
+                http = None  # one server process per model for the pair's block, flushed between runs
+                if any(p[3] == "std-serving-http" for p in mine):
+                    bar.set_postfix_str(f"{pair.name}: starting the token servers")
+                    specs = [ServerSpec(k, pair.http_models[k], pair.std_threads[k], STD_PAGE[pair.engine],
+                                        num_kv_tokens=(1 << 19) if pair.engine == "sim" else None,
+                                        kv_memory_gb=pair.kv_memory_gb / 2,
+                                        max_model_len=16384 if pair.engine == "sim" else None, vocab_size=SIM_VOCAB)
+                             for k in ("small", "large")]
+                    http = await stack.enter_async_context(ServerProcesses(specs))
                 for p, wl, n, system, total in mine:
                     bar.set_postfix_str(f"{pair.name} {wl.name}@{wl.max_tokens} N={n} {system}")
                     row = await run_one(p, system, wl, n, total, http)
                     data["runs"] = [r for r in data["runs"] if key(r) != key(row)] + [row]
                     save(path, data)
                     bar.update(1)
-            finally:
-                if http is not None:
-                    await http.__aexit__(None, None, None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -321,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--md", default=None, help="tables file (default bench/RESULTS.md; --quick: DIR/RESULTS-paper-regime-quick.md)")
     ap.add_argument("--pairs", default=None, help=f"comma list of {', '.join(PAIRS)} (quick: sim,cpu-tiny)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--workloads", default=",".join(W.WORKLOADS), help="comma list of low-effort, high-effort, agentic")
     ap.add_argument("--concurrency", default=None, help="comma list of N (default 1,4,8,16; quick: 1,4,16 sim, 4 real)")
     ap.add_argument("--tokens", type=int, default=None,
                     help="low-effort output length; high-effort writes 4x, agentic 1/2 (default: sim 512, real 128; "
@@ -329,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-requests", type=int, default=None, help="at least this many requests per run (default 2; quick 1)")
     ap.add_argument("--sim-slope-ms", default="0,0", metavar="SMALL,LARGE",
                     help="sim step slope per sequence in the batch (ms); L(1) stays 6.0 / 27.9 (default 0,0)")
+    ap.add_argument("--std-threads", default=None, metavar="SMALL,LARGE",
+                    help="intra-op threads of the real pairs' token server processes (default: the router's plan)")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the tables from DIR/paper_regime.json, run nothing")
     ap.add_argument("--resume", action="store_true", help="keep the runs already in DIR/paper_regime.json, run the rest")
     return ap
 
@@ -342,10 +341,20 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     md = Path(args.md) if args.md else (out_dir / "RESULTS-paper-regime-quick.md" if quick else ROOT / "bench" / "RESULTS.md")
     path = out_dir / "paper_regime.json"
+    if args.report_only:
+        data = json.loads(path.read_text())
+        data.update(paper_report.analyse(data["runs"]))
+        save(path, data)
+        paper_report.write(data, md, path)
+        print(paper_report.summary(data))
+        return 0
     pair_names = [x for x in (args.pairs or ("sim,cpu-tiny" if quick else ",".join(PAIRS))).split(",") if x]
     systems = [x for x in args.systems.split(",") if x]
-    for bad in [x for x in pair_names if x not in PAIRS] + [x for x in systems if x not in SYSTEMS]:
-        raise SystemExit(f"unknown pair or system {bad!r}; pairs: {', '.join(PAIRS)}; systems: {', '.join(SYSTEMS)}")
+    wl_names = [x for x in args.workloads.split(",") if x]
+    for bad in [x for x in pair_names if x not in PAIRS] + [x for x in systems if x not in SYSTEMS] + \
+            [x for x in wl_names if x not in W.WORKLOADS]:
+        raise SystemExit(f"unknown pair, system or workload {bad!r}; pairs: {', '.join(PAIRS)}; systems: "
+                         f"{', '.join(SYSTEMS)}; workloads: {', '.join(W.WORKLOADS)}")
     args.min_requests = args.min_requests or (1 if quick else 2)
     slope = tuple(float(x) for x in args.sim_slope_ms.split(","))
     if len(slope) != 2 or any(c < 0 or c >= ms for c, ms in zip(slope, SIM_MS.values())):
@@ -360,11 +369,18 @@ def main(argv: list[str] | None = None) -> int:
         return ([1, 4, 16] if engine == "sim" else [4]) if quick else [1, 4, 8, 16]
 
     pairs = [sim_pair(slope, max(concurrency("sim"))) if p == "sim" else real_pair(p) for p in pair_names]
+    if args.std_threads:
+        threads = dict(zip(("small", "large"), (int(x) for x in args.std_threads.split(","))))
+        for p in pairs:
+            if p.engine == "real":
+                p.std_threads = threads
     plan = []
     for pair in pairs:
         ns = concurrency(pair.engine)
         wls = workloads(pair, quick, args.tokens)
         for wl in wls:
+            if wl.name not in wl_names:
+                continue
             rpc = requests_per_client(wl, wls, args.requests_per_client)
             for n in ns:
                 total = max(n * rpc, args.min_requests)
