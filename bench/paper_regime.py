@@ -111,14 +111,15 @@ def real_pair(name: str) -> Pair:
 
 
 # -- workloads -----------------------------------------------------------------------------------------
-DEFAULT_TOKENS = {("sim", False): 512, ("sim", True): 32, ("real", False): 128, ("real", True): 16}
+# low-effort output tokens (full, quick); SmolLM2's steps are ~7x cpu-tiny's, so it writes half as many
+DEFAULT_TOKENS = {"sim": (512, 32), "cpu-tiny": (128, 16), "smollm2": (64, 16)}
 
 
 def workloads(pair: Pair, quick: bool, tokens: int | None = None) -> list[W.Workload]:
     """The paper's three workloads with output lengths scaled down (its 2,048 -> 8,192 step kept as
     `tokens` -> 4 x `tokens`; agentic writes `tokens` / 2, as 1,024 against 2,048). --quick: low-effort
     at both lengths on the sim, at `tokens` alone on a real pair."""
-    V, L = pair.vocab, tokens or DEFAULT_TOKENS[(pair.engine, quick)]
+    V, L = pair.vocab, tokens or DEFAULT_TOKENS[pair.name][quick]
     short = W.short_prompts(0, 64, 100, 20, V)
     low = W.Workload("low-effort", short, L, f"~100-token prompts, {L} output tokens")
     if quick:
@@ -319,8 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--workloads", default=",".join(W.WORKLOADS), help="comma list of low-effort, high-effort, agentic")
     ap.add_argument("--concurrency", default=None, help="comma list of N (default 1,4,8,16; quick: 1,4,16 sim, 4 real)")
     ap.add_argument("--tokens", type=int, default=None,
-                    help="low-effort output length; high-effort writes 4x, agentic 1/2 (default: sim 512, real 128; "
-                         "quick: sim 32 and 128, real 16)")
+                    help="low-effort output length; high-effort writes 4x, agentic 1/2 (default: sim 512, cpu-tiny 128, "
+                         "smollm2 64; quick: sim 32 and 128, real 16)")
     ap.add_argument("--requests-per-client", type=int, default=1)
     ap.add_argument("--min-requests", type=int, default=None, help="at least this many requests per run (default 2; quick 1)")
     ap.add_argument("--sim-slope-ms", default="0,0", metavar="SMALL,LARGE",
@@ -391,10 +392,10 @@ def main(argv: list[str] | None = None) -> int:
                        "sim_slope_ms": dict(zip(SIM_MS, slope)), "std_page_size": STD_PAGE,
                        "requests_per_client": args.requests_per_client, "min_requests": args.min_requests,
                        "warmup_tokens": WARMUP_TOKENS, "temperature": 0.0, "ignore_eos": True},
-            "pairs": {p.name: {"engine": p.engine, "models": p.models, "std_threads": p.std_threads, **p.notes}
-                      for p in pairs},
-            "workloads": {f"{p.name}/{w.name}@{w.max_tokens}": w.describe() for p in pairs
-                          for w in workloads(p, quick, args.tokens)}}
+            "pairs": {**prev.get("pairs", {}), **{p.name: {"engine": p.engine, "models": p.models,
+                                                           "std_threads": p.std_threads, **p.notes} for p in pairs}},
+            "workloads": {**prev.get("workloads", {}), **{f"{p.name}/{w.name}@{w.max_tokens}": w.describe()
+                                                          for p in pairs for w in workloads(p, quick, args.tokens)}}}
     if prev:
         data["resumed_from"] = prev.get("machine", {})
     run(sweep(args, pairs, plan, data, path))

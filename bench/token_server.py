@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -66,17 +66,18 @@ class ServerSpec:
 
 def build_engine(args: argparse.Namespace):
     from aiorouter.spec import ModelSpec
-    from engines import EngineConfig
+    from engines import Engine, EngineConfig
     from server.cli import parse_models
     spec = parse_models([f"{args.name}={args.model}"])[args.name]
     ecfg = dict(page_size=args.page_size, max_model_len=args.max_model_len)
     if args.num_kv_tokens is not None:
         ecfg["num_kv_tokens"] = args.num_kv_tokens
     if isinstance(spec, dict):  # sim:...
-        ms = ModelSpec(**spec, vocab_size=args.vocab_size, engine_config=EngineConfig(**ecfg))
-    else:
-        ms = ModelSpec(path=spec, engine_config=EngineConfig(**ecfg))
-    return ms.build("cpu", args.kv_memory_gb, 1)
+        return ModelSpec(**spec, vocab_size=args.vocab_size, engine_config=EngineConfig(**ecfg)).build("cpu", args.kv_memory_gb, 1)
+    ms = ModelSpec(path=spec, engine_config=EngineConfig(**ecfg))
+    # ids in, ids out: no tokenizer to load (transformers' import alone is seconds of start-up)
+    return Engine(spec, config=replace(ms.engine_config, num_kv_tokens=ms.kv_tokens(args.kv_memory_gb, 1)),
+                  load_tokenizer=False)
 
 
 # -- the server process ------------------------------------------------------------------------------
