@@ -210,6 +210,11 @@ class Engine:
         return KVUsage(bm.num_pages, bm.num_used_pages, bm.num_free_pages, bm.num_cached_pages,
                        bm.num_prefix_matches, self.scheduler.num_preemptions, len(self.scheduler.parked))
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page that no live sequence holds (a server's cache flush between
+        benchmark runs, like SGLang's /flush_cache); returns the pages freed."""
+        return self.block_manager.reset_prefix_cache()
+
     @property
     def layer_hook(self) -> Callable[[], None] | None:
         return getattr(self.runner, "layer_hook", None)

@@ -91,6 +91,10 @@ class Policy:
     name: ClassVar[str] = "policy"
     num_models: ClassVar[int | None] = None  # exact number of models required, None for any >= 1
     needs_hidden: ClassVar[bool] = False
+    # Does route/send/receive read StepResult.logits? In the runtime the logits are already in
+    # memory; a dispatcher that gets each step's result over HTTP (bench's Std. Serving) fetches the
+    # [vocab] row only when this is True (SmolLM2's row is 192 KiB of float32 per token).
+    reads_logits: ClassVar[bool] = True
     commit_on_send: ClassVar[bool] = False  # default send: does the sampled token travel (and commit)?
     route_in_worker: ClassVar[bool] = False  # route is heavy (a router network): run it off the event loop
     per_request: ClassVar[bool] = True  # may a client pick this policy per request (no trained state)?
@@ -150,6 +154,7 @@ class SinglePolicy(Policy):
     """No routing: every request stays on the entry model."""
 
     name = "single"
+    reads_logits = False
 
     def route(self, result):
         return [STAY] * len(result.reqs)
