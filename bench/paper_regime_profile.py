@@ -6,10 +6,11 @@
 Each model is a `SimEngine` subclass that timestamps its own step API (the router serves given
 engines as they are), so a step splits into: the launch (`schedule`, on the event loop), the hop
 into the model's worker, the forward (the sim's token bookkeeping, then its sleep and the sleep's
-overshoot), the hop back to the loop, and the loop's work after it (`finish`, the policy's route,
-commits, the next launch decision). What is neither a step nor its hops is the model's idle time:
-no request ready, or fewer than its delayed threshold. The closing line prices every overhead:
-the throughput the same schedule would reach with steps of exactly L(b) and no hops.
+overshoot), the hop back to the loop, and `finish` on the loop (the policy's route and the commits
+after it show in the event loop's CPU share, printed per run). What is neither a step nor its hops
+is the model's idle time: no request ready, or fewer than its delayed threshold. The closing line
+is the throughput model's prediction for the same thresholds at the step times as run (launch +
+hops + forward): what the runtime would reach if it added nothing else.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class StepLog:
 
     rows: list[tuple] = field(default_factory=list)
     batch: list[int] = field(default_factory=list)
-    _cur: dict = field(default_factory=dict)
+    cur: dict = field(default_factory=dict)
 
 
 class TimedSim(SimEngine):
@@ -50,19 +51,19 @@ class TimedSim(SimEngine):
         t0 = time.perf_counter()
         batch = super().schedule()
         if batch:
-            self.log._cur = {"sched0": t0, "sched1": time.perf_counter()}
+            self.log.cur = {"sched0": t0, "sched1": time.perf_counter()}
         return batch
 
     def execute(self, batch, want_hidden: bool = False):
         t0 = time.perf_counter()
         out = super().execute(batch, want_hidden)
-        self.log._cur.update(exec0=t0, exec1=time.perf_counter())
+        self.log.cur.update(exec0=t0, exec1=time.perf_counter())
         return out
 
     def finish(self, batch, out):
         t0 = time.perf_counter()
         res = super().finish(batch, out)
-        c = self.log._cur
+        c = self.log.cur
         self.log.rows.append((c["sched0"], c["sched1"], c["exec0"], c["exec1"], t0, time.perf_counter()))
         self.log.batch.append(len(batch))
         return res
@@ -74,7 +75,7 @@ def split(log: StepLog, nominal_s: float, wall: float) -> dict:
     if not n:
         return {"steps": 0}
     s = {"launch (schedule)": 0.0, "hop to worker": 0.0, "forward": 0.0, "of it, over L": 0.0, "hop back to loop": 0.0,
-         "loop after step": 0.0}
+         "finish": 0.0}
     nxt = [r[0] for r in log.rows[1:]] + [None]
     busy = 0.0
     for (s0, s1, e0, e1, f0, f1), n0 in zip(log.rows, nxt):
@@ -83,9 +84,7 @@ def split(log: StepLog, nominal_s: float, wall: float) -> dict:
         s["forward"] += e1 - e0
         s["of it, over L"] += (e1 - e0) - nominal_s
         s["hop back to loop"] += f0 - e1
-        # the loop's work after the forward: finish, route, commits, until the subserver's step returns;
-        # bounded by the next launch (a step's tail is what delays it)
-        s["loop after step"] += f1 - f0
+        s["finish"] += f1 - f0
         busy += (f1 if n0 is None else min(n0, f1)) - s0
     out = {k: 1000 * v / n for k, v in s.items()}
     out.update(steps=n, mean_batch=sum(log.batch) / n, busy_frac=busy / wall, nominal_ms=1000 * nominal_s)

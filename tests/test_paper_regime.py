@@ -117,6 +117,10 @@ def test_paper_regime_quick_schema(tmp_path):
         assert r["system"] in SYSTEMS and r["N"] in (1, 2) and r["max_tokens"] in (4, 16)
         assert r["tokens_per_s"] > 0 and r["per_user_tokens_per_s"] > 0
         assert r["tokens"] == r["requests"] * r["max_tokens"] and r["requests"] >= r["N"]
+    for r in runs:  # no schedule beats N requests that never wait (equal at N = 1: nothing to wait for)
+        if r["system"] == "aiorouter-delayed":
+            assert r["ceiling_tokens_per_s"] == r["N"] * 1000 / (6.0 + 0.35 * 27.9)
+            assert r["dtmc_tokens_per_s"] <= r["ceiling_tokens_per_s"] * (1 + 1e-9)
     # 4 requests per client at 4 tokens, 1 at 16: every client writes as many tokens at both lengths
     assert {(r["max_tokens"], r["requests_per_client"]) for r in runs if r["N"] == 2} == {(4, 4), (16, 1)}
     http = next(r for r in runs if r["system"] == "std-serving-http" and r["max_tokens"] == 16)
