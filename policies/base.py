@@ -16,7 +16,7 @@ Policies see plain data (`StepResult`, `ReqView`), never batching, threads or en
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple, Sequence
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -52,6 +52,11 @@ class ReqView(NamedTuple):
         return len(self.token_ids)
 
 
+# Test-only (Policy.set_fault_hook): `hook(stage, reqs)` with stage "route" (the batch's views),
+# "send" or "receive" (the one request's view).
+PolicyFaultHook = Callable[[str, Sequence[ReqView]], None]
+
+
 class StepResult(NamedTuple):
     """One step's results for the batch of model `model`, row-aligned."""
 
@@ -71,6 +76,7 @@ class Policy:
     commit_on_send: ClassVar[bool] = False  # default send: does the sampled token travel (and commit)?
     route_in_worker: ClassVar[bool] = False  # route is heavy (a router network): run it off the event loop
     per_request: ClassVar[bool] = True  # may a client pick this policy per request (no trained state)?
+    fault_hook: PolicyFaultHook | None = None  # test-only: see set_fault_hook
 
     def bind(self, model_names: Sequence[str]) -> None:
         """Called once when the router starts (and for a per-request policy, when it is submitted)."""
@@ -78,6 +84,12 @@ class Policy:
             raise ValueError(f"policy {self.name!r} routes between {self.num_models} models, "
                              f"the router has {len(model_names)}: {list(model_names)}")
         self.model_names = list(model_names)
+
+    def set_fault_hook(self, hook: PolicyFaultHook | None) -> None:
+        """Test-only (aiorouter/faults.py): the runtime calls `hook(stage, reqs)` as the first thing
+        of each route, send and receive of this policy, so an exception it raises is that function
+        raising: what tests and the soak inject on purpose. None (the default) costs nothing."""
+        self.fault_hook = hook
 
     @property
     def M(self) -> int:
