@@ -1,9 +1,11 @@
 """aiorouter: serving for token-level routed LLM inference."""
+from aiorouter.defaults import DEFAULT_POLICY, DEFAULT_POLICY_ARGS, default_models, default_router
 from aiorouter.request import GenerateResult, RouterError, StreamEvent
-from aiorouter.router import Router
+from aiorouter.router import Prompt, Router
 from aiorouter.spec import ModelSpec
 
-__all__ = ["Router", "ModelSpec", "StreamEvent", "GenerateResult", "RouterError", "run"]
+__all__ = ["Router", "ModelSpec", "Prompt", "StreamEvent", "GenerateResult", "RouterError", "run",
+           "default_models", "default_router", "DEFAULT_POLICY", "DEFAULT_POLICY_ARGS"]
 
 
 def run(main):

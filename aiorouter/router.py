@@ -27,10 +27,14 @@ from aiorouter.subserver import Subserver
 from engines import Engine, SamplingParams
 from engines.engine import KVUsage
 from engines.streams import StreamFactory
-from policies import Policy, make_policy
+from policies import ModelInfo, Policy, make_policy
 
 log = logging.getLogger("aiorouter")
 
+# The one prompt convention (as vLLM's LLM.generate and the OpenAI endpoints): a string is raw
+# completion text, tokenized as is; a list of {"role", "content"} messages is chat, rendered with
+# the entry model's chat template; a list of ints is token ids. `aiorouter generate` sends its text
+# as one user message, /v1/completions a string, /v1/chat/completions messages.
 Prompt = str | list[int] | list[dict[str, str]]
 
 
@@ -72,17 +76,26 @@ class Router:
         self._holds_heap = False
         self._core_share: CoreShare | None = None
         self.streams = StreamFactory()  # every model's CUDA streams are its own (engines/streams.py)
+        self._models: list[ModelInfo] = []  # what each model is, for the policy's setup
+        self._extra_rows: list[int] = []  # per model: output rows past the shared vocabulary
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> "Router":
         if self._tasks:
             return self
-        engines = [s if isinstance(s, Engine) else await asyncio.to_thread(s.build, self.device, self.kv_memory_gb,
-                                                                           len(self.specs), self.streams)
-                   for s in self.specs]
-        vocab = {n: e.model_config.vocab_size for n, e in zip(self.names, engines)}
-        if len(set(vocab.values())) > 1:
-            raise ValueError(f"all models must share one vocabulary; vocab sizes differ: {vocab}")
+        engines = []
+        for name, s in zip(self.names, self.specs):
+            if not isinstance(s, Engine):
+                log.info("loading model %s: %s", name, s.path if s.engine == "real" else "simulated")
+            engines.append(s if isinstance(s, Engine) else
+                           await asyncio.to_thread(s.build, self.device, self.kv_memory_gb, len(self.specs),
+                                                   self.streams))
+        self._models = [ModelInfo(n, str(e.path) if e.path is not None else None, e.model_config.vocab_size,
+                                  e.model_config.hidden_size, str(e.devices[-1])) for n, e in zip(self.names, engines)]
+        self.policy.setup(self._models)
+        self._extra_rows = self._vocabulary_check(self.policy)
+        for e, x in zip(engines, self._extra_rows):
+            e.reserve_output_rows(x)
         self.tokenizer = engines[self.entry].tokenizer
         self._eos_ids = engines[self.entry].model_config.eos_token_ids
         self.max_model_len = min(e.max_model_len for e in engines)
@@ -112,6 +125,27 @@ class Router:
         heap.hold()  # start-up objects out of the cyclic GC while this router serves (aiorouter.heap)
         self._holds_heap = True
         return self
+
+    def _vocabulary_check(self, policy: Policy) -> list[int]:
+        """-> per model, the output rows past the shared vocabulary that `policy` reads (never sampled)."""
+        extra = [int(policy.extra_rows(i)) for i in range(len(self._models))]
+        rows = {m.name: m.vocab_size for m in self._models}
+        if len({m.vocab_size - x for m, x in zip(self._models, extra)}) > 1:
+            why = f", less the rows policy {policy.name!r} reads past it: {extra}" if any(extra) else ""
+            if not any(extra) and max(rows.values()) == min(rows.values()) + 1:
+                why = (" (a Co-LLM small model, whose extra output row is its deferral head, is served as is "
+                       "with policy='colm')")
+            raise ValueError(f"all models must share one vocabulary; vocab sizes differ: {rows}{why}")
+        return extra
+
+    @staticmethod
+    def _query_text(prompt: Prompt, ids: list[int], tokenizer) -> str | None:
+        """The text a query-level scorer reads: RouteLLM reads a chat's last message."""
+        if isinstance(prompt, str):
+            return prompt
+        if prompt and isinstance(prompt[0], dict):
+            return str(prompt[-1].get("content", ""))
+        return tokenizer.decode(ids) if tokenizer is not None else None
 
     def _make_tuning(self):
         template = self.policy.routing_template()
@@ -151,9 +185,11 @@ class Router:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for s in self.subservers:
+        for s, x in zip(self.subservers, self._extra_rows):
             s.drain()  # the releases the aborts posted: every KV page back
             await asyncio.to_thread(s.close)
+            if x:  # an engine given to the router may serve elsewhere later: its rows are tokens again
+                s.engine.reserve_output_rows(0)
         if self._core_share is not None:  # an engine given to the router may serve another one later
             for s in self.subservers:
                 if s.engine.layer_hook is not None:
@@ -210,7 +246,9 @@ class Router:
 
     # -- client API ----------------------------------------------------------------------------
     def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt: text is tokenized as is, chat messages through the chat template."""
+        """Token ids of a prompt (see `Prompt`): text is tokenized as is, with no chat template (a chat
+        model given a bare question may answer nothing: pass messages), chat messages go through the
+        entry model's chat template, token ids pass through."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -229,7 +267,9 @@ class Router:
     def submit(self, prompt: Prompt, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, min_p: float = 0.0, seed: int | None = None, stop: str | list[str] | None = None,
                ignore_eos: bool = False, policy: Policy | None = None) -> RouterRequest:
-        """Validate and enqueue a request; read its events with `events`. Most users want `stream`."""
+        """Validate and enqueue a request; read its events with `events`. Most users want `stream`.
+        Decoding is greedy unless told otherwise (a library call should be reproducible); the HTTP
+        server fills omitted fields from the model's generation_config.json instead, as vLLM does."""
         if not self._tasks:
             raise RuntimeError("router is not started: use `async with Router(...)` or `await router.start()`")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -244,13 +284,40 @@ class Router:
             policy.bind(self.names)
             if self.faults is not None:
                 policy.set_fault_hook(self.faults.on_policy)
-        req = self._requests.new(ids, params, policy or self.policy, self.tokenizer, self._eos_ids, self.max_model_len)
-        self._launch.post(self.entry, NewRequest(req))
+            policy.setup(self._models)
+            if self._vocabulary_check(policy) != self._extra_rows:
+                raise ValueError(f"policy {policy.name!r} reads other output rows than the router's "
+                                 f"policy {self.policy.name!r}: it cannot route this router's requests")
+        pol = policy or self.policy
+        req = self._requests.new(ids, params, pol, self.tokenizer, self._eos_ids, self.max_model_len)
+        self._launch.post(self._admit(pol, req, prompt, ids), NewRequest(req))
         return req
 
+    def _admit(self, policy: Policy, req: RouterRequest, prompt: Prompt, ids: list[int]) -> int:
+        """The model the request starts on (Policy.admit). Bad input (a ValueError) is the caller's
+        and is raised; any other failure of the policy fails this request only."""
+        try:
+            # the text is only built for a policy that admits (decoding token ids costs per request)
+            text = self._query_text(prompt, ids, self.tokenizer) if type(policy).admit is not Policy.admit else None
+            start = policy.admit(req.rid, ids, text)
+            start = self.entry if start is None else int(start)
+            if not 0 <= start < len(self.names):
+                raise RouterError(f"policy {policy.name!r}.admit chose model {start}; the router has "
+                                  f"{len(self.names)} models")
+        except ValueError:
+            self._requests.abort(req)
+            raise
+        except Exception as e:
+            self._requests.fail(req, e if isinstance(e, RouterError) else
+                                RouterError(f"policy {policy.name!r} raised in admit: {e!r}"))
+            return self.entry  # the failed request is over; its events say why
+        return start
+
     async def stream(self, prompt: Prompt, **kwargs: Any) -> AsyncIterator[StreamEvent]:
-        """Yield one event per committed token, in order, exactly once. Leaving the loop early
-        (break, cancellation, a client disconnect) aborts the request on every model."""
+        """Yield one event per committed token, in order, exactly once. `prompt` follows `Prompt`
+        (a string is raw text, messages are chat); `kwargs` are `submit`'s (greedy by default).
+        Leaving the loop early (break, cancellation, a client disconnect) aborts the request on
+        every model."""
         req = self.submit(prompt, **kwargs)
         async with contextlib.aclosing(self.events(req)) as events:
             async for ev in events:
@@ -270,6 +337,7 @@ class Router:
             self._requests.abort(req)
 
     async def generate(self, prompt: Prompt, **kwargs: Any) -> GenerateResult:
+        """The whole answer at once; `prompt` and `kwargs` as in `stream`."""
         req = self.submit(prompt, **kwargs)
         ids, models, text, reason = [], [], [], ""
         async with contextlib.aclosing(self.events(req)) as events:

@@ -159,12 +159,23 @@ def write_json(name: str, data: dict) -> Path:
     return path
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process so far (0 once it is gone)."""
+    try:
+        fields_ = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 class OutsideLoad:
     """CPU used by *other* processes while a block runs, in cores (0 = the machine was ours).
-    The load average cannot tell: it counts this benchmark's own threads too."""
+    The load average cannot tell: it counts this benchmark's own threads too. `pids`: processes
+    the block started (a system's server processes), whose CPU counts as the block's own."""
 
-    def __init__(self) -> None:
+    def __init__(self, pids: tuple[int, ...] = ()) -> None:
         self.cores: float | None = None
+        self.pids = pids
 
     @staticmethod
     def _machine_busy_s() -> float | None:
@@ -175,11 +186,10 @@ class OutsideLoad:
         idle = f[3] + (f[4] if len(f) > 4 else 0)
         return (sum(f[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
-    @staticmethod
-    def _self_s() -> float:
+    def _self_s(self) -> float:
         import resource
         r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
+        return r.ru_utime + r.ru_stime + sum(process_cpu_s(p) for p in self.pids)
 
     def __enter__(self) -> "OutsideLoad":
         self._t, self._m, self._s = time.perf_counter(), self._machine_busy_s(), self._self_s()

@@ -38,7 +38,7 @@ import scipy  # noqa: E402
 import aiorouter.tuning._solver as _solver  # noqa: E402
 import aiorouter.tuning.dtmc as _dtmc  # noqa: E402
 from aiorouter.tuning import (  # noqa: E402
-    LatencyModel, ModelSpec, SolveCache, choose_delta, threshold_table,
+    Contention, LatencyModel, ModelSpec, SolveCache, choose_delta, threshold_table,
 )
 
 CASES = {
@@ -59,6 +59,15 @@ STARTUP = {
                        L=[LatencyModel(6.0e-3), LatencyModel(27.9e-3)]),
     "me3": dict(P=CASES["m3_me"]["P"], C=CASES["m3_me"]["C"], cap=8, target_s=30.0,
                 L=[LatencyModel(x) for x in CASES["m3_me"]["L"]]),
+    # The bench pair with the contention profiled on the 2-core machine (large loses ~half its
+    # progress while a small step runs, the small ~60 %): the chain of docs/throughput-model.md.
+    "bench_pair_contention": dict(
+        P=CASES["m2_r2r"]["P"], C=CASES["m2_r2r"]["C"], cap=16, target_s=15.0,
+        L=[LatencyModel(1.9e-3, 0.1e-3), LatencyModel(19.2e-3, 5.5e-3)],
+        contention=Contention.build(2, [(1, b1, 0, b0, k) for b1, b0, k in
+                                        ((1, 1, 0.5), (1, 8, 0.45), (16, 1, 0.5), (16, 8, 0.45))] +
+                                       [(0, b0, 1, b1, k) for b0, b1, k in
+                                        ((1, 1, 0.65), (8, 1, 0.55), (1, 16, 0.65), (8, 16, 0.55))])),
 }
 # (module, function, phase) timed in serial runs; the solver's inner parts nest
 # inside "stationary solve".
@@ -172,9 +181,10 @@ def run_startup(name: str) -> dict:
     case = STARTUP[name]
     load_before = os.getloadavg()
     c0, t0 = cpu_seconds(), time.perf_counter()
-    choice = choose_delta(case["P"], case["L"], case["cap"])
+    con = case.get("contention")
+    choice = choose_delta(case["P"], case["L"], case["cap"], contention=con)
     t_choose = time.perf_counter() - t0
-    spec = ModelSpec.build(case["P"], case["C"], case["L"], choice.delta)
+    spec = ModelSpec.build(case["P"], case["C"], case["L"], choice.delta, con)
     table = threshold_table(spec, case["cap"], cache=SolveCache(), workers=1)
     wall = time.perf_counter() - t0
     return dict(

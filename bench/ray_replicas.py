@@ -146,9 +146,9 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="process,ray-1,ray-2,ray-2-uncapped",
                     help="ray-2-uncapped: 2 replicas, each with the threads the Router plans for the whole machine")
     args = ap.parse_args(argv)
-    from server.cli import default_models
+    from aiorouter import default_models
     from server.ray_serve import require_ray
-    models = default_models()
+    models = {name: spec.path for name, spec in default_models().items()}  # run_process passes paths to the CLI
     ray, serve = require_ray(loopback=True)
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})

@@ -8,7 +8,7 @@
 Systems (all in one process, interleaved per (workload, N) so drift hits them alike):
   aiorouter    Router, mode delayed, thresholds "auto"
   eager, sync  the same runtime in its eager-async and step-sync modes (ablation)
-  std-serving  one single-model server per model + an outside token-level dispatcher (bench/baselines.py)
+  std-serving  one single-model server per model + an outside token-level dispatcher, in process (bench/std_serving.py)
   hf-naive     two transformers models, static lock-step batches (bench/baselines.py)
   large-alone, small-alone   one model through the runtime (policy "single")
 
@@ -35,7 +35,9 @@ import torch
 
 from aiorouter.cpu_threads import plan_threads
 from bench import workloads as W
-from bench.baselines import HFNaive, StdServing, make_rule
+from bench.baselines import HFNaive, make_rule
+from bench.std_serving import StdServing, server_delta
+from policies import make_policy
 from aiorouter import heap
 from bench.common import ROOT, LoopResult, OutsideLoad, cache_dir, closed_loop, machine, tiny_qwen3
 
@@ -156,23 +158,19 @@ def _computed(r) -> dict[str, int]:
 
 
 async def _std_run(pair: Pair, wl: W.Workload, n: int, total: int, opts: Opts) -> dict:
-    rule = make_rule(pair.policy, pair.policy_args)
-    async with StdServing(pair.small, pair.large, rule, opts.kv_memory_gb, opts.engine_config) as std:
+    policy = make_policy(pair.policy, pair.policy_args)
+    async with StdServing({"small": pair.small, "large": pair.large}, policy, opts.kv_memory_gb,
+                          opts.engine_config.get("page_size")) as std:
         await closed_loop(lambda p: std.stream(p, WARMUP_TOKENS), n, W.warmup_prompts(n, vocab=pair.vocab), n)
         before = std.stats()
         with heap.frozen():  # what Router.start does, for the baselines that have no Router
             res = await closed_loop(lambda p: std.stream(p, wl.max_tokens), n, wl.prompts, total)
         out = res.summary()
         after = std.stats()
-        out["servers"] = {k: {f: after[k][f] - before[k][f] for f in ("requests", "steps", "prefix_matches",
-                                                                       "prefill_tokens", "decode_tokens", "busy_s")}
-                          for k in after}
+        out["servers"] = {k: server_delta(before[k], after[k]) for k in after}
         out["busy"] = {k: v["busy_s"] / res.seconds for k, v in out["servers"].items()}
         out["tokens_computed"] = {k: v["prefill_tokens"] + v["decode_tokens"] for k, v in out["servers"].items()}
         out["step_ms"] = {k: 1000 * v["busy_s"] / max(1, v["steps"]) for k, v in out["servers"].items()}
-        for k, v in out["servers"].items():
-            v["mean_batch"] = (after[k]["mean_batch"] * after[k]["steps"] - before[k]["mean_batch"] * before[k]["steps"]) \
-                / max(1, v["steps"])
         out["mean_batch"] = {k: v["mean_batch"] for k, v in out["servers"].items()}
         return out
 

@@ -1,11 +1,11 @@
-import asyncio, sys
-from aiorouter import Router
+import asyncio
+from aiorouter import Router, default_models
 from policies import STAY, PeerReq, Policy
 
 class LowConfidence(Policy):
     """The small model (0) hands a token to the large model (1) when its top-1 probability is
     below `threshold`; the large model writes that one token and hands straight back."""
-    name, num_models, threshold = "low-confidence", 2, 0.5
+    name, num_models, threshold = "low-confidence", 2, 0.9
 
     def route(self, result):                            # after each step, for the whole batch
         if result.model == 1:
@@ -17,11 +17,13 @@ class LowConfidence(Policy):
         keep = [req.sampled] if req.model == 1 else []  # commit the large model's token, drop the small's
         return PeerReq(req.rid, req.token_ids[req.seen[req.peer]:] + keep, loc=req.loc)
 
-async def main(small, large, prompt="What is 2+2?", policy=None):
-    async with Router({"small": small, "large": large}, policy=policy or LowConfidence()) as router:
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+async def main(models=None, prompt=QUESTION, policy=None):
+    async with Router(models or default_models(), policy=policy or LowConfidence()) as router:
         result = await router.generate(prompt, max_tokens=32)
         print(result.usage["per_model"], result.text)   # who wrote how many tokens, and the answer
         return result
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    asyncio.run(main())

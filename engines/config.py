@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from engines.quant import QUANTIZATIONS
+
 SUPPORTED_ARCHS = ("qwen3", "llama", "qwen2", "mistral")
 LOAD_FORMATS = ("safetensors", "dummy")
 
@@ -108,6 +110,9 @@ class EngineConfig:
     # std = config.json's initializer_range, seed 0), for benchmarks and checks with no checkpoint
     # on disk (a 32B model's weights would take minutes to write and read; these take a second)
     load_format: str = "safetensors"
+    # "int4" | "int8": weight-only quantized linear layers (engines/quant.py); None: dense, unless the
+    # checkpoint's config.json asks for a scheme (engines.quant.CONFIG_KEY; the argument wins)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_kv_tokens", "max_num_seqs", "max_num_batched_tokens"):
@@ -115,6 +120,9 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"EngineConfig.load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"EngineConfig.quantization must be one of {', '.join(QUANTIZATIONS)} or None, "
+                             f"got {self.quantization!r}")
 
     @property
     def num_pages(self) -> int:

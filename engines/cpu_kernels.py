@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -29,18 +32,38 @@ def _build_tag() -> str:
     return hashlib.sha1((flags + str(_SOURCES[0].parent.resolve())).encode()).hexdigest()[:8]
 
 
+def _build_dir(name: str) -> Path:
+    """torch's own choice (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/py311_cpu), made here so
+    that whether a build exists can be checked before the build starts."""
+    from torch.utils import cpp_extension
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        accel = "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
+        root = Path(cpp_extension.get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}" \
+            f"{getattr(sys, 'abiflags', '')}_{accel}"
+    out = Path(root) / name
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 @functools.cache
 def load():
     """-> `torch.ops.aiorouter_cpu` (paged_attention, rms_norm, add_rms_norm), or None."""
     try:
         from torch.utils import cpp_extension
-        from tqdm import tqdm
         name = f"aiorouter_cpu_kernels_{_build_tag()}"
-        with tqdm(total=1, desc="building the CPU kernels (once per machine)", leave=False, disable=None) as bar:
-            cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], is_python_module=False,
-                               extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
-                               extra_ldflags=["-fopenmp"], verbose=False)
-            bar.update()
+        build_dir = _build_dir(name)
+        # a first run waits ~15 s here: say so, on stderr (a progress line, whether or not logging is set up)
+        fresh = not (build_dir / f"{name}.so").is_file()
+        if fresh:
+            print(f"aiorouter: compiling the CPU kernels (paged attention, RMSNorm) into {build_dir}, "
+                  "once per machine (~15 s)", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], is_python_module=False,
+                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
+                           extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        if fresh:
+            print(f"aiorouter: CPU kernels compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return torch.ops.aiorouter_cpu
     except Exception as e:  # noqa: BLE001 - any build failure means "use the torch fallback"
         first = str(e).splitlines()[0] if str(e) else ""

@@ -166,11 +166,6 @@ def default_model_path(dtype: str = "float32") -> Path:
         return convert_gguf_to_hf(gguf, out, dtype)
 
 
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    print(default_model_path(*sys.argv[1:2]))
-
-
 def truncated_model_path(src: Path, num_layers: int) -> Path:
     """A cheaper sibling of `src`: its first `num_layers` layers under the same embedding,
     final norm and head (the embedded default pair's small model). Built once, cached."""
@@ -205,3 +200,52 @@ def truncated_model_path(src: Path, num_layers: int) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+# The default pair's small model: SmolLM2 itself with int4 weights in Q4_1's groups of 32, which
+# are the very values the large model was de-quantized from (engines/quant.py). Measured on the
+# 2-core bench machine (bench/default_pair.py, bench/RESULTS.md): greedy top-1 agreement with the
+# large model ~98%, a decode step ~0.3x the large one at batch 1 on one thread each. The former
+# small model (the first 10 of 30 layers under the same head) agreed on under a fifth of tokens.
+DEFAULT_SMALL_QUANTIZATION = "int4"
+
+
+def quantized_model_path(src: Path, quantization: str) -> Path:
+    """A sibling of `src` whose config.json asks to be loaded with `quantization` (engines/quant.py
+    CONFIG_KEY); it links to src's weights, so the pair shares one copy on disk. Built once."""
+    from engines.quant import CONFIG_KEY, check_quantization
+
+    src = Path(src)
+    if check_quantization(quantization) is None:
+        raise ValueError("quantized_model_path needs a quantization, got None")
+    out = src.with_name(f"{src.name}-{quantization}")
+    if (out / MARKER).is_file():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name == MARKER or not f.is_file():
+            continue
+        if f.suffix == ".safetensors" or f.name == "model.safetensors.index.json":
+            os.symlink(os.path.relpath(f, out), tmp / f.name)  # relative: the cache may move whole
+        elif f.name != "config.json":
+            shutil.copy2(f, tmp / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    (tmp / "config.json").write_text(json.dumps({**cfg, CONFIG_KEY: quantization}, indent=2))
+    (tmp / MARKER).write_text(json.dumps({"source": str(src), "quantization": quantization}))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def default_pair() -> dict[str, Path]:
+    """The embedded default pair, offline: {"small": SmolLM2-135M-Instruct loaded int4,
+    "large": the same checkpoint in fp32}. Both are plain model directories."""
+    large = default_model_path()
+    return {"small": quantized_model_path(large, DEFAULT_SMALL_QUANTIZATION), "large": large}
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    print(default_model_path(*sys.argv[1:2]))

@@ -75,7 +75,7 @@ class Engine:
         tokenizer = self._load_tokenizer() if load_tokenizer else None
         # a group loads on the host and the runner places each stage's layers on its device
         model = load_model(self.path, model_config, dtype, device if len(devices) == 1 else torch.device("cpu"),
-                           ecfg.load_format)
+                           ecfg.load_format, ecfg.quantization)
         runner = ModelRunner(model, model_config, ecfg, dtype, device, max_model_len=ecfg.max_model_len,
                              devices=devices, streams=streams)
         self._setup(model_config, ecfg, runner, tokenizer, devices, dtype)
@@ -97,6 +97,26 @@ class Engine:
         self.scheduler = Scheduler(ecfg, self.block_manager)
         self.stats = EngineStats()
         self._outputs: dict[int, OutputStream] = {}  # requests of add_request, by seq_id
+        self._reserved_rows = 0  # output rows past the token vocabulary (reserve_output_rows)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids this engine samples and accepts: the output rows less the reserved ones."""
+        return self.model_config.vocab_size - self.reserved_rows
+
+    @property
+    def reserved_rows(self) -> int:
+        return self._reserved_rows
+
+    def reserve_output_rows(self, n: int) -> None:
+        """The last `n` rows of the output head are not tokens (Co-LLM's deferral row is the one
+        past the vocabulary): they are never sampled, a prompt may not use them, and the step's
+        logits still carry them for whoever reads them. 0 undoes it."""
+        rows = self.model_config.vocab_size
+        if not 0 <= n < rows:
+            raise ValueError(f"cannot reserve {n} of the model's {rows} output rows")
+        self.runner.sample_vocab = rows - n if n else None
+        self._reserved_rows = n
 
     @property
     def num_params(self) -> int:
@@ -146,7 +166,7 @@ class Engine:
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("prompt is empty")
-        V = self.model_config.vocab_size
+        V = self.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V]
         if bad:
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {V})")
@@ -189,6 +209,11 @@ class Engine:
         bm = self.block_manager
         return KVUsage(bm.num_pages, bm.num_used_pages, bm.num_free_pages, bm.num_cached_pages,
                        bm.num_prefix_matches, self.scheduler.num_preemptions, len(self.scheduler.parked))
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page that no live sequence holds (a server's cache flush between
+        benchmark runs, like SGLang's /flush_cache); returns the pages freed."""
+        return self.block_manager.reset_prefix_cache()
 
     @property
     def layer_hook(self) -> Callable[[], None] | None:

@@ -270,7 +270,7 @@ class CausalLM(nn.Module):
         for dev, layers in zip(devices, ranges):
             for i in layers:
                 self.layers[i].to(dev)
-        tied = self.lm_head.weight is self.embed_tokens.weight
+        tied = getattr(self.lm_head, "weight", None) is self.embed_tokens.weight  # (a QuantLinear has none)
         self.norm.to(devices[-1])
         if tied and devices[-1] != devices[0]:
             self.lm_head.weight = nn.Parameter(self.embed_tokens.weight.detach().to(devices[-1]), requires_grad=False)
@@ -291,7 +291,7 @@ class CausalLM(nn.Module):
     def pack_weights(self) -> int:
         """Pre-pack every linear layer for oneDNN (CPU fp32/bf16; a no-op elsewhere). Call once,
         after loading: the model is inference-only afterwards. Returns how many were packed."""
-        tied = self.lm_head.weight is self.embed_tokens.weight
+        tied = getattr(self.lm_head, "weight", None) is self.embed_tokens.weight  # (a QuantLinear has none)
         n = 0
         for name, m in self.named_modules():
             if isinstance(m, Linear):

@@ -39,7 +39,8 @@ class ForwardOutput(NamedTuple):
     """One row per sequence that reached the end of its known tokens (so has a next token)."""
 
     seqs: list[Sequence]
-    logits: torch.Tensor  # [B, vocab] float32, raw (before temperature or filtering)
+    logits: torch.Tensor  # [B, rows] float32, raw (before temperature or filtering): every output row,
+    # reserved ones too (rows = vocab + reserved; see Engine.reserve_output_rows)
     next_tokens: list[int]  # [B] sampled with each sequence's SamplingParams
     hidden: torch.Tensor | None  # [B, hidden] final-normed last hidden state, when asked for
     bad_rows: tuple[int, ...] = ()  # rows whose logits hold NaN/inf: placeholder tokens, the sequence must fail
@@ -98,6 +99,9 @@ class ModelRunner:
             for st in self.streams:
                 st.wait_stream(torch.cuda.current_stream(st.device))  # after the weight and KV set-up
         self.graphs: StepGraphs | None = None
+        # sample token ids below this (None: every output row); the rows past it are not tokens
+        # (Co-LLM's deferral row): the engine reserves them, a routing policy reads them
+        self.sample_vocab: int | None = None
         # called before each layer of a CPU step, in the stepping thread (an owner sharing the
         # cores between models adjusts this thread's intra-op threads there); None: nothing
         self.layer_hook: Callable[[], None] | None = None
@@ -210,13 +214,13 @@ class ModelRunner:
             logits = self.model.compute_logits(last)  # [B, vocab] fp32
             if self.fault_hook is not None:
                 self.fault_hook(seqs, logits)
-            bad = nonfinite_rows(logits)  # [B] bool: those sequences fail alone, the rest commit
-            params, gens = [s.sampling for s in seqs], [s.generator for s in seqs]
+            params, gens, V = [s.sampling for s in seqs], [s.generator for s in seqs], self.sample_vocab
+            bad = nonfinite_rows(logits[:, :V])  # [B] bool: those sequences fail alone, the rest commit
             if not self.cuda:
-                tokens = sample(logits, params, gens)
+                tokens = sample(logits[:, :V], params, gens)
                 return ForwardOutput(seqs, logits, tokens.tolist(), last.float() if want_hidden else None,
                                      tuple(bad.nonzero().flatten().tolist()))
-            tokens = sample_batched(logits, params, gens)
+            tokens = sample_batched(logits[:, :V], params, gens)
             # the step's only wait: copies into pinned memory, then one event, waited on in this thread
             host = [t.to("cpu", non_blocking=True) for t in (tokens, logits, bad, last.float() if want_hidden else None)
                     if t is not None]

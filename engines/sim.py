@@ -81,3 +81,7 @@ class SimEngine(Engine):
 
     def set_layer_hook(self, hook) -> None:
         raise ValueError("a sim engine has no layers to hook: its steps sleep")
+
+    def reserve_output_rows(self, n: int) -> None:
+        if n:
+            raise ValueError("a sim engine has no output head to reserve rows of")

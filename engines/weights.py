@@ -9,6 +9,7 @@ from safetensors import SafetensorError, safe_open
 
 from engines.config import ModelConfig
 from engines.model import CausalLM
+from engines.quant import check_quantization, declared_quantization, quantize_model
 
 # HF name suffix -> (our parameter suffix, index of the shard inside the merged tensor)
 _MERGED = {
@@ -42,10 +43,12 @@ def _our_name(hf_name: str) -> tuple[str, int | None]:
 
 
 def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               load_format: str = "safetensors") -> CausalLM:
+               load_format: str = "safetensors", quantization: str | None = None) -> CausalLM:
     """The model of checkpoint `path` on `device` in `dtype`; `load_format` "dummy": random
-    weights instead (EngineConfig.load_format)."""
+    weights instead (EngineConfig.load_format). `quantization`: "int4" / "int8" (engines/quant.py),
+    applied once loaded; None: what the checkpoint's config.json asks for, else dense."""
     path = Path(path)
+    quantization = check_quantization(quantization) or declared_quantization(path)
     with torch.device("meta"):
         model = CausalLM(cfg)
     # cast on meta, then allocate: the model never exists in fp32 (a 32B one would need 128 GB)
@@ -53,7 +56,7 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: t
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if load_format == "dummy":
-        return _random_weights(model, path)
+        return _quantized(_random_weights(model, path), quantization)
     if load_format != "safetensors":
         raise ValueError(f"unknown load_format {load_format!r}; use safetensors or dummy")
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -93,7 +96,13 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: t
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
-    return model.eval()
+    return _quantized(model.eval(), quantization)
+
+
+def _quantized(model: CausalLM, quantization: str | None) -> CausalLM:
+    if quantization is not None:
+        quantize_model(model, quantization)
+    return model
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ import inspect
 from types import MappingProxyType
 from typing import Any
 
-from policies.base import STAY, PeerReq, Policy, ReqView, SinglePolicy, SmallLargePolicy, StepResult
+from policies.base import STAY, ModelInfo, PeerReq, Policy, ReqView, SinglePolicy, SmallLargePolicy, StepResult
 from policies.citer import CITERPolicy
 from policies.colm import CoLLMPolicy
 from policies.ensemble import EnsemblePolicy
@@ -41,6 +41,6 @@ def make_policy(policy: str | type[Policy] | Policy, args: dict[str, Any] | None
     return cls(**args)
 
 
-__all__ = ["STAY", "PeerReq", "Policy", "ReqView", "StepResult", "SmallLargePolicy", "BUILTIN", "make_policy",
-           "SinglePolicy", "RandomPolicy", "RStitchPolicy", "R2RPolicy", "CITERPolicy", "CoLLMPolicy",
+__all__ = ["STAY", "ModelInfo", "PeerReq", "Policy", "ReqView", "StepResult", "SmallLargePolicy", "BUILTIN",
+           "make_policy", "SinglePolicy", "RandomPolicy", "RStitchPolicy", "R2RPolicy", "CITERPolicy", "CoLLMPolicy",
            "EnsemblePolicy", "QueryPolicy"]

@@ -12,6 +12,18 @@
   first, which the same model's `route` sees on that request's later steps.
 
 Policies see plain data (`StepResult`, `ReqView`), never batching, threads or engine internals.
+
+Around the three functions the runtime asks a policy three more things, each with a default that
+changes nothing:
+- `setup(models)` once at router start, with what each model is (`ModelInfo`: path, vocabulary,
+  hidden size, device), so a router network can find its small model's files and device.
+- `extra_rows(model)`: output rows past the shared vocabulary that a model's head carries for this
+  policy (Co-LLM's deferral row). The runtime never samples them and passes them to `route` as
+  `StepResult.extra_logits`; the router accepts a model that much larger than the others.
+- `admit(rid, prompt_ids, text)` in `Router.submit`, before any model spends a step on the request:
+  the model it starts on (None: the router's entry model). A query-level router that scores the
+  text, or an ensemble that draws the first token's model too, decides here; per-token routing
+  begins after that model's first step, as before.
 """
 from __future__ import annotations
 
@@ -61,10 +73,21 @@ class StepResult(NamedTuple):
     """One step's results for the batch of model `model`, row-aligned."""
 
     model: int
-    logits: torch.Tensor  # [B, vocab] float32
+    logits: torch.Tensor  # [B, vocab] float32, the shared vocabulary only
     tokens: torch.Tensor  # [B] int64 sampled tokens
     hidden: torch.Tensor | None  # [B, hidden] final-normed hidden states (when needs_hidden)
     reqs: list[ReqView]
+    extra_logits: torch.Tensor | None = None  # [B, extra_rows(model)] the rows past the vocabulary, if any
+
+
+class ModelInfo(NamedTuple):
+    """What `Policy.setup` learns about one model at router start."""
+
+    name: str
+    path: str | None  # its HF directory (None: built in memory, or simulated)
+    vocab_size: int  # rows of its output head (config.json's vocab_size)
+    hidden_size: int
+    device: str  # where its final hidden states are computed (the last device of a group)
 
 
 class Policy:
@@ -73,6 +96,10 @@ class Policy:
     name: ClassVar[str] = "policy"
     num_models: ClassVar[int | None] = None  # exact number of models required, None for any >= 1
     needs_hidden: ClassVar[bool] = False
+    # Does route/send/receive read StepResult.logits? In the runtime the logits are already in
+    # memory; a dispatcher that gets each step's result over HTTP (bench's Std. Serving) fetches the
+    # [vocab] row only when this is True (SmolLM2's row is 192 KiB of float32 per token).
+    reads_logits: ClassVar[bool] = True
     commit_on_send: ClassVar[bool] = False  # default send: does the sampled token travel (and commit)?
     route_in_worker: ClassVar[bool] = False  # route is heavy (a router network): run it off the event loop
     per_request: ClassVar[bool] = True  # may a client pick this policy per request (no trained state)?
@@ -90,6 +117,22 @@ class Policy:
         of each route, send and receive of this policy, so an exception it raises is that function
         raising: what tests and the soak inject on purpose. None (the default) costs nothing."""
         self.fault_hook = hook
+
+    def setup(self, models: Sequence[ModelInfo]) -> None:
+        """Called once at router start, after `bind`, with each model's files, sizes and device,
+        in router order. Raise ValueError for a model this policy cannot route (named in the message)."""
+
+    def extra_rows(self, model: int) -> int:
+        """Rows of `model`'s output head past the vocabulary the models share, read by this policy.
+        Asked after `setup`; never sampled; handed to `route` as `StepResult.extra_logits`."""
+        return 0
+
+    def admit(self, rid: str, prompt_ids: list[int], text: str | None) -> int | None:
+        """The model a new request starts on, decided before any model steps; None: the entry model.
+        `text`: the prompt as text when there is one (a text prompt, the last chat message as
+        RouteLLM reads it, or token ids decoded by the entry model's tokenizer), else None. Runs in
+        `Router.submit`, on the event loop: keep it to a light scorer."""
+        return None
 
     @property
     def M(self) -> int:
@@ -123,6 +166,7 @@ class SinglePolicy(Policy):
     """No routing: every request stays on the entry model."""
 
     name = "single"
+    reads_logits = False
 
     def route(self, result):
         return [STAY] * len(result.reqs)

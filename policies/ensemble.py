@@ -1,7 +1,8 @@
 """`ensemble` (ME): after every token the next model is drawn from the ensemble weights.
 
-Any number of models (>= 2). After each step of model i, model j is drawn with probability
-weights[j] (seeded per request). The token model i just sampled is always committed: on a draw of
+Any number of models (>= 2). The model that writes the first token is drawn with the same weights
+at admission, before any model steps; after each step of model i, model j is drawn with
+probability weights[j] (seeded per request). The token model i just sampled is always committed: on a draw of
 i it stays; otherwise the request moves to j carrying that token, and j first extends over every
 token it has not seen yet (lazy catch-up), then samples the next one.
 """
@@ -42,6 +43,10 @@ class EnsemblePolicy(Policy):
         if rng is None:  # one stream per (request, model): draws do not depend on batching
             rng = req.state["rng"] = np.random.default_rng([self.seed, zlib.crc32(req.rid.encode()), req.model])
         return rng
+
+    def admit(self, rid, prompt_ids, text):  # the first token's model is drawn too
+        rng = np.random.default_rng([self.seed, zlib.crc32(rid.encode()), self.M])  # apart from the per-model streams
+        return int(rng.choice(self.M, p=self.weights))
 
     def route(self, result):
         w = self.dest_weights[result.model]

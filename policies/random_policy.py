@@ -15,6 +15,7 @@ from policies.base import SmallLargePolicy
 
 class RandomPolicy(SmallLargePolicy):
     name = "random"
+    reads_logits = False  # a coin, not the model's distribution
 
     def __init__(self, p: float = 0.35, seed: int = 0):
         if not 0.0 <= p <= 1.0:

@@ -1,6 +1,6 @@
-"""Train an R2R or CITER router from a small and a large model (CPU-sized, but the real recipe).
+"""Train an R2R, CITER or Co-LLM router from a small and a large model (CPU-sized, but the real recipe).
 
-    aiorouter train-router --policy r2r|citer --small PATH --large PATH --prompts FILE.jsonl --out ROUTER.pt
+    aiorouter train-router --policy r2r|citer|colm --small PATH --large PATH --prompts FILE.jsonl --out ROUTER.pt
 
 1. The large model writes greedy responses (`engines.Engine`, batched).
 2. The small model prefills prompt + response (HF transformers on the same directory) and records,
@@ -12,7 +12,21 @@
    up to 2 tokens between the branches.
 4. Train with class-balanced BCE; on held-out prompts pick the threshold with the lowest routed
    fraction whose recall of divergent positions is >= `recall` (default 0.95).
-5. Save in R2R's official checkpoint format (`policies.networks.save_router`).
+5. Save as the authors do (`policies.checkpoints.save_router`): R2R's official dict, recording the
+   small model as `pretrained_model_name`; CITER's bare ConfidenceModel state dict (CITER's own
+   token_route.py loads it), its threshold and figures in `<out>.json`.
+
+Co-LLM (`colm`): trains only the deferral row, a vector w on the frozen small model's final-normed
+hidden state (P(defer) = sigmoid(w . h), no bias, as an output-head row has none), initialized as
+Co-LLM initializes its new row (the mean of the output head's rows). `--out` gets {"weight", "bias",
+"eta", ...}; `--write-model DIR` also writes the small model with w as its (V+1)-th output row, the
+layout Co-LLM saves and `policy="colm"` serves without a head file. How this differs from Co-LLM's
+own training: Co-LLM fine-tunes the whole small model (or QLoRA) on a dataset's gold responses,
+deferral and language modelling together (its marginal-likelihood loss, or BCE + LM loss), with
+weak labels "the large model gives the gold token a higher probability than the small one", after
+an initial BCE fit of the row alone; and it picks the threshold by Youden's J on an ROC curve.
+Here the small model is untouched, the target is the large model's own greedy response, the label
+is "their greedy tokens differ" (as for R2R and CITER), and the threshold meets a recall target.
 
 Prompt file: JSON lines, each {"prompt": "text" | [token ids]} or {"messages": [...]} (chat
 template), or a bare JSON string / list of token ids.
@@ -31,7 +45,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from policies.networks import CITERRouter, R2RRouter, load_embedding, save_router
+from policies.checkpoints import load_embedding, load_output_head, save_router, write_deferral_model
+from policies.networks import CITERRouter, R2RRouter
+
+
+class DeferralRow(nn.Module):
+    """Co-LLM's deferral row, trained alone: the logit w . h on a final-normed hidden state [B, H] -> [B, 1]."""
+
+    def __init__(self, init: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(init.detach().float().clone())
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (hidden @ self.weight)[:, None]
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -204,26 +230,33 @@ def auc(score: np.ndarray, y: np.ndarray) -> float:
 
 
 def train_router(policy: str = "r2r", small: str | Path = "", large: str | Path = "",
-                 prompts: str | Path | Sequence[Any] = (), out: str | Path = "router.pt", *, max_tokens: int = 128,
+                 prompts: str | Path | Sequence[Any] = (), out: str | Path = "router.pt", *,
+                 write_model: str | Path | None = None, max_tokens: int = 128,
                  verify_continuation: int = 0, epochs: int = 30, batch_size: int = 256, lr: float = 1e-3,
                  width: int = 256, blocks: int = 3, topk: int = 100, dropout: float = 0.1, recall: float = 0.95,
                  val_fraction: float = 0.2, seed: int = 0, device: str = "cpu", progress: bool = True) -> dict:
     """Train and save a router. Returns the figures it prints (threshold, routed fraction, recall,
-    AUC on the held-out prompts, ...) and the trained network under "network"."""
+    AUC on the held-out prompts, ...) and the trained network under "network". `write_model`
+    (colm only): also write the small model with the trained deferral row as its (V+1)-th row."""
     from engines import Engine
-    if policy not in ("r2r", "citer"):
-        raise ValueError(f"train-router trains 'r2r' or 'citer' routers, not {policy!r}")
+    from engines.config import ModelConfig
+    if policy not in ("r2r", "citer", "colm"):
+        raise ValueError(f"train-router trains 'r2r', 'citer' or 'colm' routers, not {policy!r}")
+    if write_model is not None and policy != "colm":
+        raise ValueError("write_model writes a Co-LLM model directory: it goes with policy 'colm'")
     if not 0 < recall <= 1 or not 0 < val_fraction < 1:
         raise ValueError(f"recall must be in (0, 1] and val_fraction in (0, 1); got {recall}, {val_fraction}")
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     items = read_prompts(prompts)
     eng = Engine.from_pretrained(large, device=device)
+    V, Vs = eng.model_config.vocab_size, ModelConfig.from_dir(small).vocab_size
+    if Vs != V:
+        raise ValueError(f"the small model's vocabulary ({Vs}) differs from the large model's ({V})")
     ids = [_tokenize(eng, p) for p in items]
     outs = eng.generate(ids, max_tokens=max_tokens, temperature=0.0, use_tqdm=progress)
     seqs = [(p, o.token_ids) for p, o in zip(ids, outs)]
     data = collect(small, seqs, topk, progress, device)
-    V = eng.model_config.vocab_size
     y = label(data, seqs, eng, verify_continuation, progress)
     del eng
 
@@ -239,13 +272,14 @@ def train_router(policy: str = "r2r", small: str | Path = "", large: str | Path 
         raise ValueError(f"too little data to split: {len(data)} positions from {n_prompts} prompts")
 
     H = data.hidden.shape[1]
+    small_name = str(Path(small).resolve())  # what from_pretrained takes: R2R's pretrained_model_name
     if policy == "r2r":
-        emb = load_embedding(small)
-        if emb.shape[0] != V:
-            raise ValueError(f"the small model's vocabulary ({emb.shape[0]}) differs from the large model's ({V})")
-        net: nn.Module = R2RRouter(emb, H, logits_size=data.topk.shape[1], hidden_dims=[width] * blocks,
-                                   dropout_rate=dropout)
+        net: nn.Module = R2RRouter(load_embedding(small), H, logits_size=data.topk.shape[1],
+                                   hidden_dims=[width] * blocks, dropout_rate=dropout, pretrained_model_name=small_name)
         target = y  # 1 = divergent: route
+    elif policy == "colm":
+        net = DeferralRow(load_output_head(small).mean(0))  # Co-LLM's initialization of the new row
+        target = y  # 1 = divergent: defer
     else:
         net = CITERRouter(H, dropout=dropout)
         target = 1.0 - y  # 1 = the small model's token is fine: confident
@@ -254,33 +288,47 @@ def train_router(policy: str = "r2r", small: str | Path = "", large: str | Path 
     with torch.inference_mode():
         p = torch.sigmoid(_forward(net, data, va)).numpy()
     div = y[va].numpy()
-    if policy == "r2r":
-        thr, frac, rec = pick_threshold(p, div, recall)
-        thr = min(thr, 1.0)
-    else:  # route when confidence < tau: route score = -confidence
-        t, frac, rec = pick_threshold(-p, div, recall)
+    score = -p if policy == "citer" else p  # higher: route
+    t, frac, rec = pick_threshold(score, div, recall)
+    if policy == "r2r":  # route when p >= threshold
+        thr = min(t, 1.0)
+    elif policy == "colm":  # defer when p > eta, strictly (Co-LLM's rule)
+        thr = 1.0 if math.isinf(t) else float(np.nextafter(np.float32(t), np.float32(-np.inf)))
+    else:  # route when confidence < tau
         thr = 0.0 if math.isinf(t) else float(np.nextafter(np.float32(-t), np.float32(np.inf)))
     stats = {"policy": policy, "threshold": float(thr), "routed_fraction": frac, "recall": rec,
-             "auc": auc(p if policy == "r2r" else -p, div),
-             "divergent_rate": float(y.mean()), "positions": len(data), "train_positions": len(tr),
-             "val_positions": len(va), "final_loss": losses[-1] if losses else float("nan"),
-             "seconds": time.perf_counter() - t0}
-    save_router(net, out, thr, small=str(small), large=str(large), recall_target=recall,
-                verify_continuation=int(verify_continuation), val_routed_fraction=frac, val_recall=rec,
-                divergent_rate=stats["divergent_rate"])
-    print(f"{policy} router -> {out}: threshold {thr:.6g}; on {len(va)} held-out positions "
-          f"({int(div.sum())} divergent) it routes {frac:.1%} with recall {rec:.1%}, AUC {stats['auc']:.3f} "
-          f"(divergent rate {stats['divergent_rate']:.1%}, {stats['seconds']:.1f}s)")
+             "auc": auc(score, div), "divergent_rate": float(y.mean()), "positions": len(data),
+             "train_positions": len(tr), "val_positions": len(va),
+             "final_loss": losses[-1] if losses else float("nan"), "seconds": time.perf_counter() - t0}
+    record = dict(small=small_name, large=str(large), recall_target=recall,
+                  verify_continuation=int(verify_continuation), val_routed_fraction=frac, val_recall=rec,
+                  divergent_rate=stats["divergent_rate"])
+    arg = {"r2r": "threshold", "citer": "tau", "colm": "eta"}[policy]
+    if policy == "colm":
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"weight": net.weight.detach().clone(), "bias": 0.0, "eta": float(thr), **record}, str(out))
+        if write_model is not None:
+            write_deferral_model(small, write_model, net.weight)
+    else:
+        save_router(net, out, thr, **record)
+    print(f"{policy} router -> {out}{f' and {write_model}' if write_model else ''}: {arg} {thr:.6g}; on {len(va)} "
+          f"held-out positions ({int(div.sum())} divergent) it routes {frac:.1%} with recall {rec:.1%}, AUC "
+          f"{stats['auc']:.3f} (divergent rate {stats['divergent_rate']:.1%}, {stats['seconds']:.1f}s)")
+    if policy != "r2r":
+        print(f"  serve it with policy_args {arg}={thr:.6g}: the default is the paper's "
+              f"{'0.98' if policy == 'citer' else '0.15'}")
     return {**stats, "network": net}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="aiorouter train-router", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policy", choices=("r2r", "citer"), required=True)
+    ap.add_argument("--policy", choices=("r2r", "citer", "colm"), required=True)
     ap.add_argument("--small", required=True, help="small model directory (HF safetensors)")
     ap.add_argument("--large", required=True, help="large model directory")
     ap.add_argument("--prompts", required=True, help="JSON-lines prompt file")
     ap.add_argument("--out", required=True, help="where to write the router (.pt)")
+    ap.add_argument("--write-model", metavar="DIR", help="colm: also write the small model with the trained "
+                    "deferral row as its (V+1)-th output row (Co-LLM's layout, served by policy colm as is)")
     ap.add_argument("--max-tokens", type=int, default=128, help="response length per prompt")
     ap.add_argument("--verify-continuation", type=int, default=0, metavar="K",
                     help="label a mismatch divergent only if K-token continuations do not re-join (R2R)")
@@ -298,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     a = ap.parse_args(argv)
     try:
-        train_router(a.policy, a.small, a.large, a.prompts, a.out, max_tokens=a.max_tokens,
+        train_router(a.policy, a.small, a.large, a.prompts, a.out, write_model=a.write_model, max_tokens=a.max_tokens,
                      verify_continuation=a.verify_continuation, epochs=a.epochs, batch_size=a.batch_size, lr=a.lr,
                      width=a.width, blocks=a.blocks, topk=a.topk, dropout=a.dropout, recall=a.recall,
                      val_fraction=a.val_fraction, seed=a.seed, device=a.device, progress=not a.quiet)

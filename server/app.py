@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from aiorouter import Router, RouterError
 from policies import make_policy
 from server.prom import render_metrics
+from server.sampling import SamplingDefaults
 from server.schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("aiorouter.server")
@@ -29,7 +30,10 @@ class ServerConfig:
     max_concurrency: int = 64
     max_queue: int = 64  # requests waiting for a slot before 429
     max_body_bytes: int = 4 * 2**20
-    default_max_tokens: int = 256
+    default_max_tokens: int = 256  # when neither the request nor the generation config sets one
+    # where omitted sampling fields come from: "auto" (the entry model's generation_config.json),
+    # "neutral" (OpenAI's values), or a directory holding a generation_config.json (server/sampling.py)
+    generation_config: str = "auto"
 
 
 class ApiError(Exception):
@@ -53,6 +57,8 @@ class Server:
         self.in_flight = 0
         self._slots = asyncio.Semaphore(config.max_concurrency)
         self._waiting = 0
+        # the entry model's file: it tokenizes the prompt, and its authors' sampling is the one asked for
+        self.sampling_defaults = SamplingDefaults.load(config.generation_config, router.specs[router.entry].path)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors, self._auth])
@@ -131,7 +137,9 @@ class Server:
         except ValidationError as e:
             err = e.errors()[0]
             loc = ".".join(str(x) for x in err["loc"]) or None
-            raise ApiError(400, f"{loc}: {err['msg']}" if loc else err["msg"], param=loc) from None
+            # our validators' own words, without pydantic's "Value error, " in front
+            msg = str(err.get("ctx", {}).get("error", err["msg"])) if err["type"] == "value_error" else err["msg"]
+            raise ApiError(400, f"{loc}: {msg}" if loc else msg, param=loc) from None
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.cfg.served_model_name and name not in self.router.names:
@@ -142,13 +150,17 @@ class Server:
         ctx = self.router.max_model_len
         if prompt_len >= ctx:
             raise ApiError(400, f"prompt has {prompt_len} tokens; the context is {ctx} tokens", param="prompt")
+        d = self.sampling_defaults
         if max_tokens is None:
-            max_tokens = min(self.cfg.default_max_tokens, ctx - prompt_len)
+            max_tokens = min(d.max_tokens or self.cfg.default_max_tokens, ctx - prompt_len)
         elif prompt_len + max_tokens > ctx:
             raise ApiError(400, f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
                                 f"context of {ctx} tokens", param="max_tokens")
-        kw = dict(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                  min_p=body.min_p, seed=body.seed, stop=body.stop, ignore_eos=body.ignore_eos)
+        def pick(name: str):  # the request's value, else the default (vLLM's order)
+            value = getattr(body, name)
+            return getattr(d, name) if value is None else value
+        kw = dict(max_tokens=max_tokens, temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"),
+                  min_p=pick("min_p"), seed=body.seed, stop=body.stop, ignore_eos=body.ignore_eos)
         if body.routing is not None:
             kw["policy"] = self._routing_override(body.routing)
         return kw
@@ -193,6 +205,9 @@ class Server:
         return await self._generate(request, body, msgs, body.limit(), chat=True)
 
     async def _generate(self, request: web.Request, body, prompt, max_tokens: int | None, chat: bool):
+        if not self.ready:  # the port is open while the models load; the tokenizer is not there yet
+            raise ApiError(503, "the models are still loading; GET /health answers 200 once they are ready",
+                           "unavailable", headers={"Retry-After": "1"})
         self._check_model(body.model)
         try:
             ids = self.router.prompt_ids(prompt)

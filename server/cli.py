@@ -3,50 +3,67 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # `aiorouter --help` imports no torch
+    from aiorouter import ModelSpec
 
 log = logging.getLogger("aiorouter.cli")
 
-DEFAULT_SMALL_LAYERS = 10
+# The defaults the pair is tuned for, without importing aiorouter (and torch) for `--help`.
+DEFAULT_POLICY = "rstitch"
 
 
-def default_models() -> dict[str, str]:
-    """The embedded default pair, offline: SmolLM2-135M-Instruct as the large model and its
-    first 10 layers (same embedding, norm and head) as a ~3x cheaper small model."""
-    from engines.default_model import default_model_path, truncated_model_path
-    large = default_model_path()
-    return {"small": str(truncated_model_path(large, DEFAULT_SMALL_LAYERS)), "large": str(large)}
+class CliError(Exception):
+    """A problem the user can fix, said in one line (no traceback), exit status 2."""
 
 
-def parse_models(items: list[str] | None) -> dict[str, object]:
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help; where the default is None the help says it in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def parse_models(items: list[str] | None) -> dict[str, ModelSpec]:
     """NAME=PATH, or NAME=sim:LATENCY_MS[:SLOPE_MS] for a weightless simulated model."""
+    from aiorouter import ModelSpec, default_models
     if not items:
-        return default_models()
-    models: dict[str, object] = {}
+        return dict(default_models())
+    models: dict[str, ModelSpec] = {}
     for item in items:
         name, sep, value = item.partition("=")
         if not sep or not name or not value:
-            raise SystemExit(f"--model expects NAME=PATH, got {item!r}")
+            raise CliError(f"--model expects NAME=PATH, got {item!r}")
         if name in models:
-            raise SystemExit(f"--model {name!r} given twice")
+            raise CliError(f"--model {name!r} given twice")
         if value.startswith("sim:"):
             parts = value.split(":")[1:]
             try:
                 nums = [float(x) for x in parts]
+                if not 1 <= len(nums) <= 2:
+                    raise ValueError
             except ValueError:
-                raise SystemExit(f"--model {item!r}: sim takes sim:LATENCY_MS[:SLOPE_MS]") from None
-            models[name] = {"engine": "sim", "latency_ms": nums[0], "latency_slope_ms": nums[1] if len(nums) > 1 else 0.0}
+                raise CliError(f"--model {item!r}: sim takes sim:LATENCY_MS[:SLOPE_MS]") from None
+            models[name] = ModelSpec(engine="sim", latency_ms=nums[0],
+                                     latency_slope_ms=nums[1] if len(nums) > 1 else 0.0)
         else:
             if not Path(value).is_dir():
-                raise SystemExit(f"--model {name}: {value!r} is not a directory")
-            models[name] = value
+                raise CliError(f"--model {name}: {value!r} is not a directory")
+            models[name] = ModelSpec(path=value)
     return models
 
 
@@ -55,7 +72,7 @@ def parse_policy_args(items: list[str] | None) -> dict[str, object]:
     for item in items or []:
         k, sep, v = item.partition("=")
         if not sep:
-            raise SystemExit(f"--policy-arg expects KEY=VALUE, got {item!r}")
+            raise CliError(f"--policy-arg expects KEY=VALUE, got {item!r}")
         try:
             out[k] = json.loads(v)
         except json.JSONDecodeError:
@@ -63,17 +80,23 @@ def parse_policy_args(items: list[str] | None) -> dict[str, object]:
     return out
 
 
-def add_router_args(ap: argparse.ArgumentParser, default_policy: str) -> None:
+def add_router_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", action="append", metavar="NAME=PATH",
-                    help="a cooperating model (repeat); default: the embedded SmolLM2 pair")
-    ap.add_argument("--policy", default=default_policy)
-    ap.add_argument("--policy-arg", action="append", metavar="KEY=VALUE")
-    ap.add_argument("--entry", help="entry model (default: the first)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--mode", choices=["delayed", "eager", "sync"], default="delayed")
-    ap.add_argument("--max-concurrency", type=int, default=64)
-    ap.add_argument("--kv-memory-gb", type=float, default=2.0)
+                    help="a cooperating model: a HF model directory, or sim:LATENCY_MS[:SLOPE_MS] for a weightless "
+                         "simulated one; repeat for each (default: the embedded SmolLM2 pair, "
+                         "aiorouter.default_models())")
+    ap.add_argument("--policy", default=DEFAULT_POLICY,
+                    help="routing policy: single, random, rstitch, r2r, citer, colm, ensemble, query")
+    ap.add_argument("--policy-arg", action="append", metavar="KEY=VALUE",
+                    help="a policy argument, VALUE read as JSON (repeat) (default: the policy's own; with the "
+                         "default pair and policy, aiorouter.DEFAULT_POLICY_ARGS)")
+    ap.add_argument("--entry", help="the model that receives requests and tokenizes prompts (default: the first)")
+    ap.add_argument("--device", default="cpu", help="device of every model without its own: cpu, cuda:0, ...")
+    ap.add_argument("--dtype", default="float32", help="weight and KV dtype: float32, bfloat16, float16")
+    ap.add_argument("--mode", choices=["delayed", "eager", "sync"], default="delayed",
+                    help="when each model launches a step: delayed batching, eager (async), step-sync")
+    ap.add_argument("--max-concurrency", type=int, default=64, help="requests decoded at once")
+    ap.add_argument("--kv-memory-gb", type=float, default=2.0, help="KV cache memory, split between the models")
     ap.add_argument("--inject-faults", metavar="PLAN.json",
                     help="TEST ONLY: requests whose prompt starts with a marker of this plan fail on purpose "
                          "(aiorouter/faults.py; what bench/soak.py drives). Off by default; never in production")
@@ -85,8 +108,12 @@ def add_router_args(ap: argparse.ArgumentParser, default_policy: str) -> None:
 def router_kwargs(args) -> dict[str, object]:
     models = parse_models(args.model)
     if args.dtype != "float32":
-        models = {k: ({"path": v, "dtype": args.dtype} if isinstance(v, str) else v) for k, v in models.items()}
-    return dict(models=models, policy=args.policy, policy_args=parse_policy_args(args.policy_arg), entry=args.entry,
+        models = {k: replace(v, dtype=args.dtype) if v.engine == "real" else v for k, v in models.items()}
+    policy_args = parse_policy_args(args.policy_arg)
+    if not args.model and not args.policy_arg and args.policy == DEFAULT_POLICY:
+        from aiorouter import DEFAULT_POLICY_ARGS
+        policy_args = dict(DEFAULT_POLICY_ARGS)  # what the default pair is tuned for
+    return dict(models=models, policy=args.policy, policy_args=policy_args, entry=args.entry,
                 device=args.device, mode=args.mode, max_concurrency=args.max_concurrency,
                 kv_memory_gb=args.kv_memory_gb, threads=parse_threads(args.threads),
                 faults=parse_faults(args.inject_faults))
@@ -107,7 +134,7 @@ def parse_threads(text: str | None) -> int | dict[str, int] | None:
             return int(text)
         return {k: int(v) for k, v in (item.split("=", 1) for item in text.split(","))}
     except ValueError:
-        raise SystemExit(f"--threads expects N or NAME=N[,NAME=N], got {text!r}") from None
+        raise CliError(f"--threads expects N or NAME=N[,NAME=N], got {text!r}") from None
 
 
 def make_router(args):
@@ -118,7 +145,26 @@ def make_router(args):
 def server_config(args):
     from server.app import ServerConfig
     return ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key,
-                        max_concurrency=args.max_concurrency, max_queue=args.max_queue)
+                        max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+                        default_max_tokens=args.default_max_tokens, generation_config=args.generation_config)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before anything slow (the default pair's first build takes minutes):
+    a port already taken is said at once, in one line."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=1024)
+    except socket.gaierror as e:
+        raise CliError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise CliError(f"port {port} on {host} is already in use; stop what listens there or choose "
+                           "another with --port") from None
+        if e.errno == errno.EACCES:
+            raise CliError(f"no permission to listen on port {port} (ports below 1024 need privileges); "
+                           "choose another with --port") from None
+        raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def describe(router) -> list[str]:
@@ -137,12 +183,19 @@ async def serve_main(args) -> int:
     from aiohttp import web
 
     from server.app import Server
-    router = make_router(args)
-    server = Server(router, server_config(args))
+    sock = listen(args.host, args.port)
+    try:
+        router = make_router(args)
+        server = Server(router, server_config(args))
+    except BaseException:
+        sock.close()
+        raise
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
+    site = web.SockSite(runner, sock)
     await site.start()  # /health answers 503 while the models load
+    port = sock.getsockname()[1]
+    log.info("listening on http://%s:%d; loading the models (GET /health answers 200 once ready)", args.host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -151,8 +204,8 @@ async def serve_main(args) -> int:
         await router.start()
         for line in describe(router):
             log.info(line)
+        log.info("sampling defaults for fields a request omits: %s", server.sampling_defaults.describe())
         server.ready = True
-        port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else args.port
         log.info("ready: http://%s:%d/v1 (policy %s, mode %s)", args.host, port, router.policy.name, router.mode)
         await stop.wait()
         log.info("shutting down: no new requests; %d in flight get %.0fs to finish", server.in_flight, args.grace)
@@ -176,8 +229,16 @@ async def generate_main(args) -> int:
     router = make_router(args)
     async with router:
         tty = sys.stdout.isatty()
-        prompt = [{"role": "user", "content": args.prompt}] if router.tokenizer is not None and \
-            getattr(router.tokenizer, "chat_template", None) and not args.raw else args.prompt
+        # the one prompt convention (aiorouter.router.Prompt): the text is a user message, or with
+        # --raw the text itself, exactly router.stream([{"role": "user", "content": TEXT}]) / stream(TEXT)
+        if args.raw:
+            prompt = args.prompt
+        elif router.tokenizer is None:
+            raise CliError("the entry model has no tokenizer (none in its directory): generate takes text")
+        elif not getattr(router.tokenizer, "chat_template", None):
+            raise CliError("the entry model's tokenizer has no chat template: add --raw to continue the text as is")
+        else:
+            prompt = [{"role": "user", "content": args.prompt}]
         counts = {n: 0 for n in router.names}
         t0 = time.perf_counter()
         async for ev in router.stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -198,32 +259,13 @@ async def generate_main(args) -> int:
 # -- entry point -----------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="aiorouter", description="Token-level routed LLM serving.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_router_args(s, "rstitch")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key")
-    s.add_argument("--served-model-name", default="aiorouter")
-    s.add_argument("--max-queue", type=int, default=64, help="requests queued beyond --max-concurrency before 429")
-    s.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
-    s.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve (pip install 'aiorouter[ray]')")
-    s.add_argument("--replicas", type=int, default=1, help="with --ray: Router replicas behind the one endpoint")
-    s.add_argument("--ray-address", help="with --ray: join this Ray cluster (default: start a local one)")
-    g = sub.add_parser("generate", help="stream one answer to the terminal, coloured by model")
-    add_router_args(g, "rstitch")
-    g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    sub.add_parser("tune", help="solve the throughput model for delayed-batching thresholds", add_help=False)
-    sub.add_parser("bench", help="benchmarks against the baselines", add_help=False)
-    sub.add_parser("train-router", help="train an R2R or CITER router network", add_help=False)
+    ap = parser()
     if argv and argv[0] in ("tune", "bench", "train-router"):
         return _delegate(argv[0], argv[1:])
     args = ap.parse_args(argv)
+    if args.cmd == "serve" and args.generation_config not in ("auto", "neutral") and \
+            not Path(args.generation_config).is_dir():
+        ap.error(f"--generation-config: {args.generation_config!r} is neither auto, neutral nor a directory")
     if args.cmd == "serve" and not args.ray and (args.replicas != 1 or args.ray_address):
         ap.error("--replicas and --ray-address need --ray")
     if args.cmd == "serve" and args.replicas < 1:
@@ -236,11 +278,52 @@ def main(argv: list[str] | None = None) -> int:
             from server.ray_serve import require_ray, serve_ray
             # before the models are resolved: a missing extra is the first thing to hear
             require_ray(loopback=args.ray_address is None and args.host in ("127.0.0.1", "localhost"))
+            listen(args.host, args.port).close()  # Ray Serve binds it later, after minutes of start-up
             return serve_ray(args, router_kwargs(args), server_config(args))
         return run(serve_main(args) if args.cmd == "serve" else generate_main(args))
-    except (ValueError, FileNotFoundError) as e:
+    except (CliError, ValueError, FileNotFoundError) as e:
         print(f"aiorouter {args.cmd}: error: {e}", file=sys.stderr)
         return 2
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="aiorouter", description="Token-level routed LLM serving.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HelpFormatter,
+                       description="Serve the models behind one OpenAI-compatible endpoint (/v1/chat/completions, "
+                                   "/v1/completions, /v1/models, /health, /metrics).")
+    add_router_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health "
+                                     "(default: none, no authentication)")
+    s.add_argument("--served-model-name", default="aiorouter", help="the model name /v1/models lists and requests use")
+    s.add_argument("--generation-config", default="auto", metavar="auto|neutral|DIR",
+                   help="sampling defaults for fields a request omits (temperature, top_p, top_k, min_p, "
+                        "max_new_tokens as max_tokens): auto reads the entry model's generation_config.json, "
+                        "neutral uses OpenAI's (temperature 1, no truncation; vLLM's 'vllm'), DIR reads DIR's file")
+    s.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens of a request that sets none, when the generation config sets no max_new_tokens")
+    s.add_argument("--max-queue", type=int, default=64, help="requests queued beyond --max-concurrency before 429")
+    s.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    s.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve (pip install 'aiorouter[ray]')")
+    s.add_argument("--replicas", type=int, default=1, help="with --ray: Router replicas behind the one endpoint")
+    s.add_argument("--ray-address", help="with --ray: join this Ray cluster (default: start a local one)")
+    g = sub.add_parser("generate", help="stream one answer to the terminal, coloured by model",
+                       formatter_class=HelpFormatter,
+                       description="Answer one prompt, each token coloured by the model that wrote it. The text is "
+                                   "sent as one user message (the chat template applies); --raw sends it as "
+                                   "completion text. Greedy unless --temperature says otherwise.")
+    add_router_args(g)
+    g.add_argument("prompt", help="the user message (with --raw: the text to continue)")
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    g.add_argument("--seed", type=int, help="sampling seed (default: unseeded)")
+    g.add_argument("--raw", action="store_true", help="continue the text as is, without the chat template")
+    sub.add_parser("tune", help="solve the throughput model for delayed-batching thresholds", add_help=False)
+    sub.add_parser("bench", help="benchmarks against the baselines", add_help=False)
+    sub.add_parser("train-router", help="train an R2R or CITER router network", add_help=False)
+    return ap
 
 
 def _delegate(cmd: str, rest: list[str]) -> int:

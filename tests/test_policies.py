@@ -10,13 +10,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from aiorouter import Router, RouterError
+from aiorouter import Router
 from engines import Engine, SamplingParams
 from policies import BUILTIN, STAY, ReqView, StepResult, make_policy
 from policies.citer import CITERPolicy
 from policies.colm import CoLLMPolicy
 from policies.ensemble import EnsemblePolicy
-from policies.networks import CITERRouter, R2RRouter, load_embedding, save_router
+from policies.checkpoints import load_embedding, save_router
+from policies.networks import CITERRouter, R2RRouter
 from policies.query import QueryPolicy
 from policies.r2r import R2RPolicy
 from policies.rstitch import normalized_entropy
@@ -130,7 +131,7 @@ def test_r2r_network_matches_official_layout():
                           "normalize_input": False, "freeze_lm_head": True},
             "common_args": {"threshold": 0.3, "input_type": ["hidden_states", "token", "logits"]},
             "model_specific_args": {}, "state_dict": sd}
-    from policies.networks import load_router
+    from policies.checkpoints import load_router
     loaded, meta = load_router(ckpt, embedding=emb)
     h, tok, logits = torch.randn(5, H), torch.randint(0, V, (5,)), torch.randn(5, V)
     F = torch.nn.functional
@@ -231,27 +232,34 @@ def test_query_route_and_send():
     logits = torch.stack([flat, peaked, mid])
     reqs = [view(rid=f"q{i}", tokens=[1, 2, 3], n_prompt=3, seen=(3, 0, 0)) for i in range(3)]
     pol = bound(QueryPolicy([0.3, 0.7]), 3)
+    assert pol.admit("q", [1, 2, 3], "text") is None  # no text scorer: the entry model scores at its first step
     assert pol.route(rin(0, logits, reqs=reqs)) == [2, STAY, 1]  # flat -> model 2, peaked stays, mid -> model 1
-    assert [r.state["query_model"] for r in reqs] == [2, 0, 1]
-    # once decided, the request stays wherever it is sent, whatever the logits say
-    assert pol.route(rin(2, logits[[1]], reqs=[reqs[0]])) == [STAY]
-    assert pol.route(rin(1, logits[[0]], reqs=[reqs[2]])) == [STAY]
-    assert pol.route(rin(0, logits[[0]], reqs=[reqs[1]])) == [STAY]
-    pr = pol.send(reqs[0]._replace(peer=2))  # first visit of the chosen model: the whole prompt, token discarded
+    at = float(normalized_entropy(mid[None])[0])  # a score equal to a threshold reaches it (RouteLLM's >=)
+    assert bound(QueryPolicy([0.3, at]), 3).route(rin(0, logits[[2]], reqs=[reqs[2]])) == [2]
+    # once it has moved (another model has seen it) or written a token, it stays, whatever the logits say
+    assert pol.route(rin(2, logits[[1]], reqs=[reqs[0]._replace(model=2, seen=(3, 0, 3))])) == [STAY]
+    assert pol.route(rin(1, logits[[0]], reqs=[reqs[2]._replace(model=1, seen=(4, 4, 0), token_ids=[1, 2, 3, 8])])) \
+        == [STAY]
+    assert pol.route(rin(0, logits[[0]], reqs=[reqs[1]._replace(seen=(4, 0, 0), token_ids=[1, 2, 3, 8])])) == [STAY]
+    pr = pol.send(reqs[0]._replace(peer=2))  # the entry model's prefill is not wasted: its token goes along
+    assert (pr.tokens, pr.loc) == ([1, 2, 3, 9], 3)
+    drop = bound(QueryPolicy([0.3, 0.7], keep_first_token=False), 3)
+    pr = drop.send(reqs[0]._replace(peer=2))  # or it is discarded: the chosen model writes every token
     assert (pr.tokens, pr.loc) == ([1, 2, 3], 3)
+    assert drop.routing_template()[1][0, 1] == 0 and pol.routing_template()[1][0, 1] == 1
     # margin score and a classifier on the hidden state
     two = bound(QueryPolicy(0.5, score="margin"))
-    fresh = [view(rid=f"m{i}", tokens=[1, 2], n_prompt=2) for i in range(3)]
+    fresh = [view(rid=f"m{i}", tokens=[1, 2], n_prompt=2, seen=(2, 0)) for i in range(3)]
     assert two.route(rin(0, logits, reqs=fresh)) == [1, STAY, 1]
     w = torch.zeros(4)
     w[1] = 1.0
     clf = bound(QueryPolicy(0.5, classifier={"weight": w, "bias": 0.0}))
     assert clf.needs_hidden
     hidden = torch.tensor([[0.0, 2.0, 0, 0], [0.0, -2.0, 0, 0]])
-    fresh = [view(rid=f"c{i}", tokens=[1, 2], n_prompt=2) for i in range(2)]
+    fresh = [view(rid=f"c{i}", tokens=[1, 2], n_prompt=2, seen=(2, 0)) for i in range(2)]
     assert clf.route(rin(0, logits[:2], hidden, reqs=fresh)) == [1, STAY]
     P, C = pol.routing_template()
-    assert np.allclose(P.sum(1), 1) and P[1, 1] > 0.99 and P[0, 2] > 0 and C[0, 1] == 0
+    assert np.allclose(P.sum(1), 1) and P[1, 1] > 0.99 and P[0, 2] > 0
 
 
 def test_every_policy_declares_a_valid_template(tmp_path):
@@ -289,8 +297,9 @@ async def test_citer_identical_models_equal_single(tiny_qwen3, ref, tmp_path):
     _, _, hidden = ref[2]
     torch.manual_seed(1)
     net = CITERRouter(hidden.shape[1]).eval()
-    save_router(net, tmp_path / "citer.pt", _median(net.prob(hidden)))
-    res, h = await check_equivalence(tiny_qwen3, ref, "citer", {"router": str(tmp_path / "citer.pt")})
+    tau = _median(net.prob(hidden))
+    save_router(net, tmp_path / "citer.pt", tau)
+    res, h = await check_equivalence(tiny_qwen3, ref, "citer", {"router": str(tmp_path / "citer.pt"), "tau": tau})
     counts = tokens_by_model(res)
     assert counts.get("small", 0) > 20 and counts.get("large", 0) > 20, counts
     assert h[("small", "large")] == counts["large"]
@@ -329,9 +338,9 @@ async def test_query_identical_models_equal_single(tiny_qwen3, ref):
     scores = normalized_entropy(first_logits)
     thr = float(scores.sort().values[N_REQ // 2 - 1:N_REQ // 2 + 1].mean())  # between the middle two
     res, h = await check_equivalence(tiny_qwen3, ref, "query", {"thresholds": thr})
-    for r, s in zip(res, scores.tolist()):
-        assert set(r.models) == ({"large"} if s > thr else {"small"})  # the whole response on one model
-    assert 0 < sum(r.models[0] == "large" for r in res) < N_REQ
+    for r, s in zip(res, scores.tolist()):  # the entry model's first token, then the chosen model
+        assert r.models[0] == "small" and set(r.models[1:]) == ({"large"} if s > thr else {"small"})
+    assert 0 < sum(r.models[1] == "large" for r in res) < N_REQ
     assert h[("large", "small")] == 0 and h[("small", "large")] == sum(s > thr for s in scores.tolist())
 
 
@@ -346,8 +355,8 @@ async def test_bad_input_names_the_problem(tiny_qwen3, tmp_path):
     save_router(other, tmp_path / "r32.pt", 0.5)
     with pytest.raises(ValueError, match="hidden size 32"):
         pair(tiny_qwen3, policy="r2r", policy_args={"router": str(tmp_path / "r32.pt"), "small_path": str(tiny_qwen3)})
-    with pytest.raises(ValueError, match="small_path"):
-        pair(tiny_qwen3, policy="r2r", policy_args={"router": str(tmp_path / "r32.pt")})
+    with pytest.raises(ValueError, match="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B.*small_path"):
+        await pair(tiny_qwen3, policy="r2r", policy_args={"router": str(tmp_path / "r32.pt")}).start()
     torch.save({"weights": torch.zeros(3)}, tmp_path / "junk.pt")
     with pytest.raises(ValueError, match="not in the R2R format"):
         pair(tiny_qwen3, policy="r2r", policy_args={"router": str(tmp_path / "junk.pt"), "small_path": str(tiny_qwen3)})
@@ -364,12 +373,13 @@ async def test_bad_input_names_the_problem(tiny_qwen3, tmp_path):
         pair(tiny_qwen3, policy="citer", policy_args={"router": "x.pt", "treshold": 0.5})
     with pytest.raises(ValueError, match="unknown score 'perplexity'"):
         make_policy("query", {"score": "perplexity"})
-    # a CITER router for another hidden size is caught on the first step and fails the request only
+    # a CITER router for another hidden size is caught at start, from the small model's config
     save_router(CITERRouter(32), tmp_path / "c32.pt", 0.5)
-    async with pair(tiny_qwen3, policy="citer", policy_args={"router": str(tmp_path / "c32.pt")}) as r:
-        with pytest.raises(RouterError, match="built for hidden size 32.*size 64"):
-            await r.generate([5, 6, 7], max_tokens=4)
-        good = EnsemblePolicy([0.5, 0.5])
-        good.bind(["small", "large"])
-        r.policy = good
+    with pytest.raises(ValueError, match="hidden size 32; the small model 'small' has hidden_size 64"):
+        await pair(tiny_qwen3, policy="citer", policy_args={"router": str(tmp_path / "c32.pt")}).start()
+    # given per request, it is refused at submit, and the router serves on
+    async with pair(tiny_qwen3, policy="ensemble", policy_args={"weights": [0.5, 0.5]}) as r:
+        with pytest.raises(ValueError, match="hidden size 32"):
+            await r.generate([5, 6, 7], max_tokens=4, policy=CITERPolicy(CITERRouter(32)))
         assert len((await r.generate([5, 6, 7], max_tokens=4, ignore_eos=True)).token_ids) == 4
+        assert r.num_active == 0

@@ -8,20 +8,26 @@ import signal
 import subprocess
 import sys
 
+import json
+import logging
+import shutil
+
 import aiohttp
 import openai
+import pytest
 from aiohttp import web
 
 from aiorouter import Router
 from bench.common import free_port, wait_healthy
 from engines import Engine
 from server.app import Server, ServerConfig
+from server.sampling import SamplingDefaults
 
 KEY = "sk-test"
 
 
 @contextlib.asynccontextmanager
-async def running_server(models, policy="random", policy_args=None, faults=None, **cfg):
+async def running_server(models, policy="random", policy_args=None, ready=True, faults=None, **cfg):
     router = Router(models, policy=policy, policy_args=policy_args, kv_memory_gb=0.05, faults=faults)
     server = Server(router, ServerConfig(**cfg))
     runner = web.AppRunner(server.app(), handler_cancellation=True)
@@ -29,7 +35,7 @@ async def running_server(models, policy="random", policy_args=None, faults=None,
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     await router.start()
-    server.ready = True
+    server.ready = ready
     port = site._server.sockets[0].getsockname()[1]
     try:
         yield f"http://127.0.0.1:{port}", server, router
@@ -139,6 +145,9 @@ async def test_bad_inputs_get_4xx_and_server_keeps_serving(tiny_chat_model):
                     assert r.status == status, (name, r.status, await r.text())
                     body = await r.json()
                     assert body["error"]["message"] and body["error"]["type"], name
+                    assert "Value error" not in body["error"]["message"], body  # our words, not pydantic's
+            async with s.post(url + "/v1/completions", json={"prompt": "hi", "n": 2}) as r:
+                assert (await r.json())["error"]["message"] == "n: only n = 1 is supported"
             async with s.post(url + "/v1/chat/completions", json={"messages": []}) as r:
                 assert r.status == 400
             ok = {"prompt": "hi", "max_tokens": 3, "ignore_eos": True, "routing": {"policy": "rstitch", "tau": 0.05}}
@@ -229,3 +238,68 @@ def test_sigterm_finishes_in_flight_and_exits_0(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+async def test_generation_is_refused_with_503_until_the_models_are_ready(tiny_chat_model):
+    async with running_server(pair(tiny_chat_model), ready=False) as (url, server, router):
+        async with aiohttp.ClientSession() as s:
+            chat = {"messages": [{"role": "user", "content": "hi"}]}
+            async with s.post(url + "/v1/chat/completions", json=chat) as r:
+                assert r.status == 503 and r.headers["Retry-After"] == "1"
+                assert "still loading" in (await r.json())["error"]["message"]
+
+
+# -- sampling defaults: the model's generation_config.json, as vLLM ------------------------------------
+def with_generation_config(src, dst, **fields):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "generation_config.json").read_text())
+    (dst / "generation_config.json").write_text(json.dumps({**cfg, **fields}))
+    return dst
+
+
+def test_sampling_defaults_load(tmp_path, caplog):
+    assert SamplingDefaults.load("neutral", tmp_path) == SamplingDefaults()
+    assert SamplingDefaults.load("auto", tmp_path) == SamplingDefaults()  # no file: neutral
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 64,
+         "eos_token_id": 2, "repetition_penalty": 1.1}))
+    with caplog.at_level(logging.WARNING):
+        d = SamplingDefaults.load("auto", tmp_path)
+    assert (d.temperature, d.top_p, d.top_k, d.min_p, d.max_tokens) == (0.6, 0.95, 20, 0.0, 64)
+    assert "repetition_penalty=1.1" in caplog.text and "not implement" in caplog.text
+    assert SamplingDefaults.load(str(tmp_path), None) == d  # a directory of its own
+    assert SamplingDefaults.load("neutral", tmp_path) == SamplingDefaults()
+    with pytest.raises(ValueError, match="no generation_config.json there"):
+        SamplingDefaults.load(str(tmp_path / "nowhere"), None)
+    for bad, words in (({"temperature": -1}, "temperature=-1.0"), ({"top_k": 1.5}, "top_k must be an integer"),
+                       ({"top_p": "high"}, "top_p must be a number"), ({"max_new_tokens": 0}, "max_tokens=0")):
+        (tmp_path / "generation_config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=words):
+            SamplingDefaults.load("auto", tmp_path)
+
+
+async def test_omitted_fields_take_the_generation_config(tiny_chat_model, tmp_path):
+    # top_k=1 makes sampling at temperature 1 greedy: if the default were not applied, the tiny random
+    # model (its next-token distribution near uniform over 49152 tokens) would not repeat the greedy text
+    path = with_generation_config(tiny_chat_model, tmp_path / "m", temperature=1.0, top_k=1, max_new_tokens=7)
+    greedy = Engine.from_pretrained(path, num_kv_tokens=2048).generate(
+        "Once upon a time", max_tokens=7, temperature=0.0, ignore_eos=True)[0].text
+    body = {"prompt": "Once upon a time", "ignore_eos": True, "seed": 11}
+    async with running_server({"m": str(path)}, policy="single") as (url, server, router):
+        async with aiohttp.ClientSession() as s:
+            async def complete(**extra):
+                async with s.post(url + "/v1/completions", json={**body, **extra}) as r:
+                    assert r.status == 200, await r.text()
+                    out = await r.json()
+                    return out["choices"][0]["text"], out["usage"]["completion_tokens"]
+            assert await complete() == (greedy, 7)  # top_k and max_tokens from the file
+            sampled = await complete(top_k=0, max_tokens=7)  # the request's own value wins
+            assert sampled[0] != greedy
+    async with running_server({"m": str(path)}, policy="single", generation_config="neutral") as (url, _, _):
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/completions", json={**body, "max_tokens": 7}) as r:
+                neutral = (await r.json())["choices"][0]["text"]
+            async with s.post(url + "/v1/completions", json={**body, "max_tokens": 7, "temperature": 1.0,
+                                                             "top_k": 0}) as r:
+                explicit = (await r.json())["choices"][0]["text"]
+    assert neutral == explicit == sampled[0]  # neutral: temperature 1, no top_k; same seed, same tokens

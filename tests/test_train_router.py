@@ -11,9 +11,11 @@ from safetensors.torch import load_file, save_file
 
 from conftest import make_tiny_qwen3
 from engines import Engine, SamplingParams
-from policies import ReqView, StepResult
+from policies import ModelInfo, ReqView, StepResult
+from policies.checkpoints import load_embedding, save_router
 from policies.citer import CITERPolicy
-from policies.networks import CITERRouter, R2RRouter, load_embedding, save_router
+from policies.colm import CoLLMPolicy
+from policies.networks import CITERRouter, R2RRouter
 from policies.r2r import R2RPolicy
 from policies.train import _rejoined, main, pick_threshold, read_prompts, train_router
 
@@ -43,9 +45,11 @@ def models(tmp_path_factory):
     return small, large, prompts
 
 
-def small_steps(small, n_prompts=8, n_steps=6):
-    """StepResults as the runtime builds them: one per decoding step of the small model."""
+def small_steps(small, n_prompts=8, n_steps=6, reserve=0):
+    """StepResults as the runtime builds them: one per decoding step of the small model (the
+    `reserve` output rows past the vocabulary, Co-LLM's deferral row, apart)."""
     eng = Engine.from_pretrained(small, num_kv_tokens=4096)
+    eng.reserve_output_rows(reserve)
     rng = random.Random(5)
     seqs = [eng.add_request([rng.randrange(2, 512) for _ in range(rng.randrange(3, 20))],
                             SamplingParams(max_tokens=n_steps, temperature=0.0, ignore_eos=True))
@@ -55,14 +59,21 @@ def small_steps(small, n_prompts=8, n_steps=6):
         out = eng.forward(want_hidden=True)
         views = [ReqView(str(s.seq_id), 0, list(s.token_ids), s.num_prompt_tokens, t, (len(s.token_ids), 0), (), {})
                  for s, t in zip(out.seqs, out.next_tokens)]
-        steps.append(StepResult(0, out.logits, torch.tensor(out.next_tokens), out.hidden, views))
+        V = eng.vocab_size
+        steps.append(StepResult(0, out.logits[:, :V], torch.tensor(out.next_tokens), out.hidden, views,
+                                out.logits[:, V:] if reserve else None))
         for s, t in zip(out.seqs, out.next_tokens):
             eng.append_token(s, t)
     return steps
 
 
-def decisions(policy, steps):
+def decisions(policy, steps, small=None, large=None):
+    """The policy's routing of `steps`, set up as a router would for the (small, large) directories."""
     policy.bind(["small", "large"])
+    if small is not None:
+        info = [ModelInfo(n, str(p), json.loads((p / "config.json").read_text())["vocab_size"], 64, "cpu")
+                for n, p in (("small", small), ("large", large))]
+        policy.setup(info)
     return [d for st in steps for d in policy.route(st)]
 
 
@@ -123,10 +134,12 @@ def test_train_r2r_end_to_end(models, trained, tmp_path):
     assert ckpt["model_type"] == "HiddenStatesTokenLMHeadLogitsClassifier"
     assert ckpt["common_args"]["threshold"] == pytest.approx(stats["threshold"])
     assert ckpt["init_args"]["hidden_dims"] == [32] and ckpt["model_specific_args"]["recall_target"] == 0.95
+    assert ckpt["init_args"]["pretrained_model_name"] == str(small.resolve())  # the small model, as R2R records it
     steps = small_steps(small)
     fresh = decisions(R2RPolicy(stats["network"], threshold=stats["threshold"]), steps)
     reloaded = decisions(R2RPolicy(str(out), small_path=str(small)), steps)
-    assert fresh == reloaded
+    by_name = decisions(R2RPolicy(str(out)), steps, small, large)  # no small_path: its recorded name finds it
+    assert fresh == reloaded == by_name
 
 
 def test_train_citer_and_verify_continuation_via_cli(models, tmp_path, capsys):
@@ -139,19 +152,52 @@ def test_train_citer_and_verify_continuation_via_cli(models, tmp_path, capsys):
                "--verify-continuation", "4", "--quiet"])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "citer router" in printed and "routes" in printed and "recall" in printed
-    ckpt = torch.load(out, weights_only=True)
-    assert ckpt["model_type"] == "CITERRouter" and ckpt["model_specific_args"]["verify_continuation"] == 4
+    assert "citer router" in printed and "routes" in printed and "recall" in printed and "tau=" in printed
+    sd = torch.load(out, weights_only=True)  # CITER's bare state dict; our figures beside it
+    assert {"mlp.0.weight", "mlp.1.running_var", "mlp.4.bias", "linear.weight"} <= set(sd)
+    meta = json.loads((tmp_path / "citer.pt.json").read_text())
+    assert meta["verify_continuation"] == 4 and meta["hidden_size"] == 64
     pol = CITERPolicy(str(out))
     assert isinstance(pol.net, CITERRouter) and not pol.net.training
-    assert pol.tau == pytest.approx(ckpt["common_args"]["threshold"])
+    assert pol.tau == 0.98  # the paper's setting; the trained threshold is passed on purpose
+    assert CITERPolicy(str(out), tau=meta["threshold"]).tau == meta["threshold"]
     # verifying continuations only ever clears labels: fewer divergent positions than plain mismatch
     plain = train_router("citer", small, large, short, tmp_path / "c2.pt", max_tokens=16, epochs=1, progress=False)
-    verified = ckpt["model_specific_args"]["divergent_rate"]
+    verified = meta["divergent_rate"]
     assert verified <= plain["divergent_rate"] and plain["divergent_rate"] > 0
     assert main(["--policy", "citer", "--small", str(small), "--large", str(large), "--prompts",
                  str(tmp_path / "missing.jsonl"), "--out", str(out), "--quiet"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_train_colm_and_write_a_collm_model(models, tmp_path, capsys):
+    small, large, prompts = models
+    short = tmp_path / "short.jsonl"
+    short.write_text("".join(prompts.read_text().splitlines(keepends=True)[:24]))
+    head, model_dir = tmp_path / "defer.pt", tmp_path / "collm"
+    rc = main(["--policy", "colm", "--small", str(small), "--large", str(large), "--prompts", str(short),
+               "--out", str(head), "--write-model", str(model_dir), "--max-tokens", "16", "--epochs", "20",
+               "--batch-size", "64", "--lr", "3e-3", "--quiet"])
+    assert rc == 0 and "eta=" in capsys.readouterr().out
+    saved = torch.load(head, weights_only=True)
+    w, eta = saved["weight"], saved["eta"]
+    assert saved["bias"] == 0.0 and 0.0 < eta < 1.0
+    # the model directory is the small model plus Co-LLM's row: vocabulary V + 1, the head's vector as row V
+    V = json.loads((small / "config.json").read_text())["vocab_size"]
+    assert json.loads((model_dir / "config.json").read_text())["vocab_size"] == V + 1
+    new, old = load_file(str(model_dir / "model.safetensors")), load_file(str(small / "model.safetensors"))
+    assert torch.equal(new["lm_head.weight"][:V], old["lm_head.weight"]) and torch.equal(new["lm_head.weight"][V], w)
+    torch.testing.assert_close(new["model.embed_tokens.weight"][V], old["model.embed_tokens.weight"].mean(0))
+    # HF loads it as Co-LLM's generate.py serves it: sigmoid of the last logit is P(defer)
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf(torch.tensor([[5, 77, 301]]), output_hidden_states=True)
+    torch.testing.assert_close(out.logits[0, -1, -1], out.hidden_states[-1][0, -1] @ w)
+    # the head file on the plain small model and the written model's own row decide alike
+    with_head = decisions(CoLLMPolicy(head, eta=eta), small_steps(small))
+    own_row = decisions(CoLLMPolicy(eta=eta), small_steps(model_dir, reserve=1), model_dir, large)
+    assert with_head == own_row and 0 < sum(own_row) < len(own_row)
 
 
 def test_threshold_rule_and_helpers(tmp_path):
@@ -170,5 +216,7 @@ def test_threshold_rule_and_helpers(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": [1, 2]}\n{oops\n')
     with pytest.raises(ValueError, match="bad.jsonl:2: not valid JSON"):
         read_prompts(tmp_path / "bad.jsonl")
-    with pytest.raises(ValueError, match="'r2r' or 'citer'"):
-        train_router("colm", "s", "l", [[1, 2]], tmp_path / "x.pt")
+    with pytest.raises(ValueError, match="'r2r', 'citer' or 'colm'"):
+        train_router("medusa", "s", "l", [[1, 2]], tmp_path / "x.pt")
+    with pytest.raises(ValueError, match="goes with policy 'colm'"):
+        train_router("r2r", "s", "l", [[1, 2]], tmp_path / "x.pt", write_model=tmp_path / "m")

@@ -119,16 +119,16 @@ def test_one_failing_chain_is_retried_alone(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_tuner_keeps_previous_row_when_one_n_fails(monkeypatch: pytest.MonkeyPatch,
                                                     caplog: pytest.LogCaptureFixture) -> None:
-    import aiorouter.tuning.online as online
+    import aiorouter.tuning.tuner as tuner_module
 
-    real = online.threshold_table
+    real = tuner_module.threshold_table
 
     def failing_at_3(spec, n, **kw):
         if n == 3:
             raise SolverError("stationary solve did not converge (test)")
         return real(spec, n, **kw)
 
-    monkeypatch.setattr(online, "threshold_table", failing_at_3)
+    monkeypatch.setattr(tuner_module, "threshold_table", failing_at_3)
     cfg = TunerConfig.build(R2R_P, R2R_C, R2R_L, 4, delta=0.3e-3)
     with caplog.at_level(logging.WARNING, logger="aiorouter.tuning"):
         tuner = Tuner(cfg)

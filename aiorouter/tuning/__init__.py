@@ -1,12 +1,16 @@
-"""DTMC throughput model and delayed-batching threshold tuning (DTMC.md).
+"""DTMC throughput model and delayed-batching threshold tuning (docs/throughput-model.md).
 
 Pure numpy/scipy: nothing here imports torch or `engines`.
 """
 
 from .compare import ComparisonTable, LatencyComparison, compare_latency_models
+from .contention import Contention
+from .drift import RoutingDrift, observed_routing, routing_drift
 from .dtmc import DEFAULT_MAX_STATES, DTMCResult, solve_dtmc, solve_many, throughput
-from .latency import LatencyModel, fit_latency
-from .online import RoutingEstimator, Tuner, TunerConfig
+from .latency import LatencyModel, StepCost, fit_latency, fit_step_cost
+from .online import RoutingEstimator, TuningCancelled
+from .schedules import Schedule, SyncResult, choose_schedule, sync_throughput
+from .tuner import Proposal, Solved, Tuner, TunerConfig
 from .quantum import DEFAULT_TABLE_STATES, DeltaChoice, choose_delta
 from .search import (
     SearchResult,
@@ -25,10 +29,12 @@ from ._blocks import SolverError
 from ._statespace import StateLimitError
 
 __all__ = [
-    "ComparisonTable", "DEFAULT_DELTA", "DEFAULT_MAX_STATES", "DEFAULT_TABLE_STATES", "DTMCResult",
+    "ComparisonTable", "Contention", "DEFAULT_DELTA", "DEFAULT_MAX_STATES", "DEFAULT_TABLE_STATES", "DTMCResult",
     "DeltaChoice", "LatencyComparison", "LatencyModel", "ModelSpec", "SystemSpec", "RoutingEstimator",
     "SearchResult", "SimulationResult", "SolveCache", "SolverError", "StateLimitError",
     "ThresholdTable", "Tuner", "TunerConfig", "best_thresholds", "choose_delta",
     "compare_latency_models", "feasible_thresholds", "fit_latency", "is_feasible", "simulate",
     "solve_dtmc", "solve_grid", "solve_many", "threshold_table", "throughput",
+    "Proposal", "RoutingDrift", "Schedule", "Solved", "SyncResult", "TuningCancelled",
+    "StepCost", "fit_step_cost", "choose_schedule", "observed_routing", "routing_drift", "sync_throughput",
 ]

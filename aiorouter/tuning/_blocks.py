@@ -4,6 +4,8 @@ F (feedback states): the highest-ranked running model (slowest first) has
 just launched.  Every cycle passes through F, so the other states Y form a
 DAG; ordering Y by the residual vector in rank order, lexicographically
 descending, makes every Y -> Y transition go forward.  See `_solver`.
+With contention F also takes every state entered by a step that does not
+descend in that order (`solver_order`).
 
 Solver order is [Y in that order, then F chain by chain].  With it, applying
 the chain censored to F is one matrix-vector product and ONE unit lower
@@ -103,7 +105,13 @@ def solver_order(cb: ChainBatch, d_units: np.ndarray) -> tuple[np.ndarray, int]:
     # Lexicographic residual key in rank order, packed into one int64.
     key = np.zeros(n, dtype=np.int64)
     for j in range(M):
-        key = key * (int(d_units[rank[j]].max()) + 1) + Rr[:, j]
+        key = key * (int(cb.rmax[rank[j]]) + 1) + Rr[:, j]
+    if cb.contended:
+        # A launch can lengthen a running model's residual, so a Y -> Y step could climb the key.
+        # Any state entered by a step that does not descend joins F: Y stays a DAG (every
+        # transition into Y descends), and the F above is kept (the start states are in it).
+        up = key[cb.dst] >= key[cb.src]
+        is_f[cb.dst[up]] = True
     f_ids = np.flatnonzero(is_f)
     y_ids = np.flatnonzero(~is_f)
     f_ids = f_ids[np.argsort(cb.cid[f_ids], kind="stable")]

@@ -1,8 +1,8 @@
 """Memo of solved chains, keyed by the rounded inputs.
 
-Key: (N, P rounded to P_DECIMALS, C, quanta table d[i, b], delta, B).  The
-solve itself uses the same rounded P (`rounded_spec`), so a key always
-determines its value.
+Key: (N, P rounded to P_DECIMALS, C, quanta table d[i, b], delta, contention
+rounded to KAPPA_DECIMALS, B).  The solve itself uses the same rounded P and
+contention (`rounded_spec`), so a key always determines its value.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from .dtmc import DTMCResult
 from .spec import ModelSpec
 
 P_DECIMALS = 6  # P is rounded to this many decimals for the cache and the solve
+KAPPA_DECIMALS = 4  # contention shares likewise (measured to a few %, so nothing is lost)
 
 
 class SolveCache:
@@ -35,6 +36,7 @@ class SolveCache:
             tuple(tuple(round(c, 9) for c in row) for row in spec.C),
             tuple(tuple(int(x) for x in row[1:]) for row in d),
             spec.delta,
+            None if spec.contention is None else spec.contention.rounded(KAPPA_DECIMALS).points,
         )
 
     def get(self, key: tuple) -> DTMCResult | None:
@@ -64,10 +66,12 @@ DEFAULT_CACHE = SolveCache()
 
 
 def rounded_spec(spec: ModelSpec) -> ModelSpec:
-    """The spec actually solved: P rounded (then renormalised) like the cache key."""
+    """The spec actually solved: P rounded (then renormalised) and contention rounded like the
+    cache key."""
     P = []
     for row in spec.P:
         r = [round(p, P_DECIMALS) for p in row]
         s = sum(r)
         P.append([x / s for x in r])
-    return ModelSpec.build(P, spec.C, spec.latency, spec.delta)
+    con = None if spec.contention is None else spec.contention.rounded(KAPPA_DECIMALS)
+    return ModelSpec.build(P, spec.C, spec.latency, spec.delta, con)

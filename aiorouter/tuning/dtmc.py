@@ -1,4 +1,4 @@
-"""Throughput of delayed batching under routing: the DTMC of DTMC.md.
+"""Throughput of delayed batching under routing: the DTMC of docs/throughput-model.md.
 
 `solve_dtmc(spec, N, B)` enumerates the reachable states (vectorised BFS in
 `_statespace`), solves the stationary distribution (`_solver`) and reports
@@ -16,6 +16,7 @@ import numpy as np
 
 from ._solver import stationary_batch
 from ._statespace import BudgetExceeded, ChainBatch, StateLimitError, enumerate_chains
+from .contention import residual_bound
 from .latency import LatencyLike
 from .spec import (
     DEFAULT_DELTA,
@@ -55,7 +56,7 @@ class DTMCResult:
     admission_delay: tuple[float, ...]
     mean_admission_delay: float  # over all queue arrivals
     expected_tau: float  # E[tau], seconds per transition
-    expected_tau_quanta: float  # E[tau] in quanta of delta, as in DTMC.md
+    expected_tau_quanta: float  # E[tau] in quanta of delta
     expected_tokens: float  # E[g], tokens per transition
     step_rate: tuple[float, ...]  # request-steps per second on each model
     solve_seconds: float  # wall time of the batch it was solved in, per chain
@@ -97,25 +98,30 @@ def solve_many(
     Bt = [check_thresholds(B, spec.M, N) for B in Bs]
     if isinstance(max_states, bool) or not isinstance(max_states, (int, np.integer)) or max_states < 1:
         raise ValueError(f"max_states must be a positive integer, got {max_states!r}")
-    d = spec.quanta_table(N)
-    unit = quanta_unit(d)
-    d_units = d // unit
-    cb = enumerate_chains(spec.p_array(), d_units, unit, N, Bt, int(max_states), budget, size_hint)
+    d_units, unit, kappa, rmax = chain_inputs(spec, N)
+    cb = enumerate_chains(spec.p_array(), d_units, unit, N, Bt, int(max_states), budget, size_hint,
+                          kappa=kappa, rmax=rmax)
     pi, _, classes = stationary_batch(cb, d_units, tol=tol, P=spec.p_array())
     seconds = (time.perf_counter() - t0) / len(Bt)
-    return _summarise(spec, N, cb, pi, d_units, seconds, classes)
+    return _summarise(spec, N, cb, pi, seconds, classes)
+
+
+def chain_inputs(spec: ModelSpec, N: int) -> tuple[np.ndarray, int, np.ndarray | None, np.ndarray]:
+    """(step lengths d[i, b] in time units, quanta per unit, contention table, residual bound)."""
+    d = spec.quanta_table(N)
+    unit = quanta_unit(d, spec.contention is not None)
+    d_units = d // unit
+    return d_units, unit, spec.kappa_table(N), residual_bound(d_units.max(axis=1), spec.contention)
 
 
 def _summarise(
-    spec: ModelSpec, N: int, cb: ChainBatch, pi: np.ndarray, d_units: np.ndarray, seconds: float,
+    spec: ModelSpec, N: int, cb: ChainBatch, pi: np.ndarray, seconds: float,
     classes: np.ndarray,
 ) -> list[DTMCResult]:
     M, nB = spec.M, len(cb.Bs)
     quantum = spec.delta * cb.unit  # seconds per time unit of the chain
     done = cb.done
     running = cb.Bt > 0
-    # A model launched at this epoch iff its residual equals its full length.
-    launched = running & (cb.R == np.take_along_axis(d_units.T, cb.Bt, axis=0))
     w = pi * cb.tau  # time weights: each state is held for tau units
     gamma, P = spec.tokens_per_step(), spec.p_array()
 
@@ -135,8 +141,10 @@ def _summarise(
     e_g = sum(gamma[i] * tot(pi, done[:, i]) for i in range(M))
     steps = cols(pi, done)  # request-steps completed on each model
     arrivals = np.stack([sum(P[i, j] * steps[:, i] for i in range(M)) for j in range(M)], axis=1)
-    n_launch = cols(pi, launched)
-    sum_b = cols(pi, launched * cb.Bt)
+    # Every batch launched completes once: batches per transition = completions per transition
+    # (a launch cannot be told from a state's residual once contention lengthens it).
+    n_launch = cols(pi, done > 0)
+    sum_b = steps
     sizes, ntrans = cb.sizes(), cb.transitions_per_chain()
     nan = float("nan")
     out = []

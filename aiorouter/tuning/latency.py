@@ -90,3 +90,55 @@ def fit_latency(batch_sizes: Sequence[float], seconds: Sequence[float]) -> Laten
     elif a < 0:  # line through the origin
         a, c = 0.0, float(b @ y / (b @ b))
     return LatencyModel(a=float(max(a, 0.0)), c=float(max(c, 0.0)))
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Step time a + per_seq * b + per_token * T for b sequences computing T tokens in all.
+
+    A routed model computes more than one token per request-step (catch-up extends after a
+    handoff, prompts on a first visit): with tau tokens per request-step on average, its
+    step at batch b takes `latency(tau)(b)`.
+    """
+
+    a: float
+    per_seq: float
+    per_token: float
+
+    def __post_init__(self) -> None:
+        for name in ("a", "per_seq", "per_token"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"StepCost.{name} must be a finite non-negative number of seconds, got {v!r}")
+
+    def __call__(self, batch: float, tokens: float) -> float:
+        return self.a + self.per_seq * batch + self.per_token * tokens
+
+    def latency(self, tokens_per_seq: float = 1.0) -> LatencyModel:
+        """L(b) when each sequence computes `tokens_per_seq` tokens a step on average."""
+        if not (math.isfinite(tokens_per_seq) and tokens_per_seq >= 1.0):
+            raise ValueError(f"tokens per sequence must be >= 1 (a step computes at least one), "
+                             f"got {tokens_per_seq!r}")
+        return LatencyModel(self.a, self.per_seq + self.per_token * tokens_per_seq)
+
+
+def fit_step_cost(shapes: Sequence[tuple[float, float]], seconds: Sequence[float]) -> StepCost:
+    """Non-negative least squares of step time on (1, batch, total tokens).
+
+    `shapes`: (batch, new tokens per sequence) as profiled (`engines.profile.profile_step_latency`);
+    needs shapes that separate the three terms (two batch sizes at one token each, and one
+    extend at least)."""
+    from scipy.optimize import nnls
+
+    x = np.asarray(shapes, dtype=float).reshape(-1, 2)
+    y = np.asarray(seconds, dtype=float).ravel()
+    if x.shape[0] != y.size:
+        raise ValueError(f"fit_step_cost: {x.shape[0]} shapes but {y.size} times")
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))) or np.any(x < 1) or np.any(y < 0):
+        raise ValueError("fit_step_cost: batch and tokens must be >= 1 and times finite and >= 0")
+    X = np.column_stack([np.ones(x.shape[0]), x[:, 0], x[:, 0] * x[:, 1]])
+    if np.linalg.matrix_rank(X) < 3:
+        raise ValueError("fit_step_cost needs shapes that separate batch from tokens: at least two "
+                         "batch sizes and one step of more than one token per sequence")
+    coef, _ = nnls(X, y)
+    return StepCost(*(float(c) for c in coef))

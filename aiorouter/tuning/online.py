@@ -1,34 +1,23 @@
-"""Online re-estimation of P (and C) and re-solving of B* when it drifts.
+"""Online re-estimation of P (and C), and the Tuner: per concurrency, the schedule to run.
 
 The paper solves B once from an offline P.  Routing behaviour depends on the
 workload, so the router feeds every routing decision it takes into a
-RoutingEstimator; the Tuner re-solves the threshold table when the estimate
-has moved by more than a margin from the P the table was solved for.
+RoutingEstimator; the Tuner (tuner.py) solves the threshold table and the
+per-N schedule, and re-solves when the routing drifts (drift.py).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
-import time
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from ._blocks import SolverError
-from ._statespace import StateLimitError
-from .dtmc import DEFAULT_MAX_STATES
-from .latency import LatencyLike, LatencyModel, as_latency_model
-from .search import SearchResult, SolveCache, ThresholdTable, threshold_table
-from .spec import DEFAULT_DELTA, ModelSpec, check_concurrency, check_routing_matrix
+from .spec import check_routing_matrix
 
 
 class TuningCancelled(Exception):
     """The Tuner's should_stop() said so mid-solve."""
-
-
-log = logging.getLogger("aiorouter.tuning")
 
 
 class RoutingEstimator:
@@ -89,6 +78,12 @@ class RoutingEstimator:
         with self._lock:
             return self._counts.copy()
 
+    def totals(self) -> tuple[np.ndarray, np.ndarray]:
+        """(decisions i -> j, tokens committed by them), copies taken together: a caller can
+        difference two snapshots to test only recent decisions."""
+        with self._lock:
+            return self._counts.copy(), self._tokens.copy()
+
     def estimate(self) -> np.ndarray:
         """Posterior-mean P; a row with neither prior nor data stays 'stay put'."""
         with self._lock:
@@ -120,97 +115,3 @@ class RoutingEstimator:
         return self.max_drift(reference_P) > margin
 
 
-@dataclass(frozen=True)
-class TunerConfig:
-    """What the router knows at start: the models and the template routing."""
-
-    P: tuple[tuple[float, ...], ...]
-    C: tuple[tuple[float, ...], ...]
-    latency: tuple[LatencyModel, ...]
-    max_concurrency: int
-    delta: float = DEFAULT_DELTA
-    drift_margin: float = 0.05  # re-solve when some p_ij moved by more than this
-    prior_strength: float = 200.0
-    min_new_observations: int = 500  # decisions between two re-solves
-    max_states: int = DEFAULT_MAX_STATES
-    workers: int = 1
-
-    @classmethod
-    def build(cls, P: object, C: object, latency: Sequence[LatencyLike], max_concurrency: int,
-              **kw: object) -> "TunerConfig":
-        spec = ModelSpec.build(P, C, list(latency), kw.pop("delta", DEFAULT_DELTA))  # type: ignore[arg-type]
-        return cls(P=spec.P, C=spec.C, latency=spec.latency,
-                   max_concurrency=check_concurrency(max_concurrency), delta=spec.delta,
-                   **kw)  # type: ignore[arg-type]
-
-
-@dataclass
-class Tuner:
-    """Holds the B* table and re-solves it when the routing estimate drifts."""
-
-    config: TunerConfig
-    cache: SolveCache = field(default_factory=SolveCache)
-    # Polled between concurrency levels: a router that closes mid-solve stops its thread.
-    should_stop: Callable[[], bool] | None = None
-
-    def __post_init__(self) -> None:
-        cfg = self.config
-        self.estimator = RoutingEstimator(cfg.P, cfg.C, cfg.prior_strength)
-        self._solved_P = np.array(cfg.P)
-        self._solved_at = 0
-        self._lock = threading.Lock()
-        self.table: ThresholdTable = self._solve(np.array(cfg.P), np.array(cfg.C), "start")
-
-    def _solve(self, P: np.ndarray, C: np.ndarray, why: str) -> ThresholdTable:
-        cfg = self.config
-        lat = [as_latency_model(x) for x in cfg.latency]
-        spec = ModelSpec.build(P, C, lat, cfg.delta)
-        t0, rows = time.perf_counter(), []
-        for n in range(1, cfg.max_concurrency + 1):
-            if self.should_stop is not None and self.should_stop():
-                raise TuningCancelled(f"stopped before N = {n}")
-            try:
-                rows += threshold_table(spec, n, min_concurrency=n, max_states=cfg.max_states,
-                                        cache=self.cache, workers=cfg.workers).rows
-            except (StateLimitError, SolverError) as e:
-                # One N failing must not cost the others: keep N - 1's B*
-                # (feasible at N too), or all ones at N = 1.
-                prev = rows[-1].best if rows else (1,) * spec.M
-                log.warning("B* (%s) N=%d: solve failed (%s); using N=%d's B=%s", why, n, e,
-                            n - 1, prev)
-                rows.append(SearchResult(n, prev, float("nan"), (), 0.0))
-        table = ThresholdTable(tuple(rows), time.perf_counter() - t0)
-        for row in table.rows:
-            log.info("B* (%s) N=%d: B=%s predicted %.1f tokens/s",
-                     why, row.N, row.best, row.best_throughput)
-        log.info("threshold table for N=1..%d solved in %.2fs", cfg.max_concurrency, table.seconds)
-        self._solved_P = P
-        self._solved_at = self.estimator.observations
-        return table
-
-    @property
-    def solved_P(self) -> np.ndarray:
-        return self._solved_P.copy()
-
-    def thresholds(self, N: int) -> tuple[int, ...]:
-        """B* for N requests in flight (N above the table uses its last row)."""
-        N = check_concurrency(N)
-        return self.table.best(min(N, self.config.max_concurrency))
-
-    def observe(self, src: int, dst: int, tokens: float | None = None) -> None:
-        self.estimator.observe(src, dst, tokens)
-
-    def maybe_resolve(self) -> bool:
-        """Re-solve if P drifted past the margin (and enough new data arrived)."""
-        with self._lock:
-            new = self.estimator.observations - self._solved_at
-            if new < self.config.min_new_observations:
-                return False
-            drift = self.estimator.max_drift(self._solved_P)
-            if drift <= self.config.drift_margin:
-                return False
-            log.info("routing estimate drifted by %.3f (> %.3f) after %d decisions; re-solving",
-                     drift, self.config.drift_margin, new)
-            self.table = self._solve(self.estimator.estimate(), self.estimator.estimate_C(),
-                                     "re-solve")
-            return True

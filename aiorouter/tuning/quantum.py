@@ -17,6 +17,10 @@ delta (measured: within ~15 % from 4 to 1000 units).  So:
    with the smallest relative rounding error of the step latencies (ties:
    the coarser, cheaper one);
 3. count the largest chain at that delta exactly and shrink if it overshoots.
+
+With contention the unit is one quantum (`spec.quanta_unit`) and a model's longest residual is
+d / (1 - its worst loss).  Overlap charges are rounded at random to the quanta on either side
+(`_statespace._charge_overlaps`), exact in expectation, so they add no error term here.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ import numpy as np
 
 from ._results import feasible_thresholds
 from ._statespace import BudgetExceeded, StateLimitError, enumerate_chains
+from .contention import Contention
 from .latency import LatencyLike, as_latency_model
-from .dtmc import DEFAULT_MAX_STATES
-from .spec import ModelSpec, check_concurrency, check_routing_matrix, quanta_unit
+from .dtmc import DEFAULT_MAX_STATES, chain_inputs
+from .spec import ModelSpec, check_concurrency, check_routing_matrix
 
 DEFAULT_TABLE_STATES = 6_000_000  # all chains of the table: ~6 s of one core here
 FINEST_QUANTA = 200  # never finer than 1/200 of the fastest step (rounding <= 0.25 %)
@@ -69,22 +74,27 @@ def _candidates(L: np.ndarray) -> np.ndarray:
     return np.unique(np.concatenate([ladder, *exact, [hi]]))
 
 
-def _evaluate(L: np.ndarray, deltas: np.ndarray) -> tuple[np.ndarray, ...]:
+def _evaluate(L: np.ndarray, deltas: np.ndarray, contention: Contention | None = None
+              ) -> tuple[np.ndarray, ...]:
     """Per candidate: e_{M-1}(D) in units, max and mean relative rounding error."""
     d = np.maximum(1, np.rint(L[None] / deltas[:, None, None])).astype(np.int64)
-    unit = np.gcd.reduce(d.reshape(d.shape[0], -1), axis=1)
-    D = (d[:, :, -1] // unit[:, None]).astype(float)  # longest step (b = cap) per model
-    proxy = D.prod(axis=1) * (1.0 / D).sum(axis=1) if L.shape[0] > 1 else np.ones(len(deltas))
     err = np.abs(d * deltas[:, None, None] - L[None]) / L[None]
-    return proxy, err.max(axis=(1, 2)), err.mean(axis=(1, 2))
+    err_max, err_mean = err.max(axis=(1, 2)), err.mean(axis=(1, 2))
+    if contention is None:
+        unit = np.gcd.reduce(d.reshape(d.shape[0], -1), axis=1)
+        D = (d[:, :, -1] // unit[:, None]).astype(float)  # longest step (b = cap) per model
+    else:
+        D = d[:, :, -1] / (1.0 - contention.worst_loss())[None, :]
+    proxy = D.prod(axis=1) * (1.0 / D).sum(axis=1) if L.shape[0] > 1 else np.ones(len(deltas))
+    return proxy, err_max, err_mean
 
 
 def _count(spec: ModelSpec, N: int, Bs: list[tuple[int, ...]], limit: int) -> np.ndarray | None:
     """States of each chain (BFS only), or None past `limit` states in all."""
-    d = spec.quanta_table(N)
-    unit = quanta_unit(d)
+    d_units, unit, kappa, rmax = chain_inputs(spec, N)
     try:
-        cb = enumerate_chains(spec.p_array(), d // unit, unit, N, Bs, limit, budget=limit)
+        cb = enumerate_chains(spec.p_array(), d_units, unit, N, Bs, limit, budget=limit, kappa=kappa,
+                              rmax=rmax)
         return cb.sizes()
     except BudgetExceeded:
         if len(Bs) == 1:
@@ -103,14 +113,20 @@ def choose_delta(
     *,
     table_states: int = DEFAULT_TABLE_STATES,
     max_states: int = DEFAULT_MAX_STATES,
+    contention: Contention | None = None,
+    min_concurrency: int = 1,
 ) -> DeltaChoice:
-    """The most accurate delta whose threshold table (N = 1..cap) fits `table_states`.
+    """The most accurate delta whose threshold table (N = min_concurrency..cap) fits `table_states`.
 
-    The largest chain also stays within `max_states` (the per-chain limit).
+    The largest chain also stays within `max_states` (the per-chain limit).  With `contention`
+    the table is the contention chain's (see the module docstring).
     Raises ValueError on bad input or when no quantum fits (absurd budgets).
     """
     Pm = check_routing_matrix(P)
     cap = check_concurrency(max_concurrency)
+    lo = check_concurrency(min_concurrency)
+    if lo > cap:
+        raise ValueError(f"min_concurrency {lo} > max_concurrency {cap}")
     if isinstance(table_states, bool) or not isinstance(table_states, (int, np.integer)) \
             or table_states < 1000:
         raise ValueError(f"table_states must be an integer >= 1000, got {table_states!r}")
@@ -119,12 +135,16 @@ def choose_delta(
         raise ValueError(f"got {len(latencies)} latencies for M = {M} models; shapes must match")
     L = _latency_grid(latencies, cap)
     ones = (1,) * M
+    if contention is not None and contention.M != M:
+        raise ValueError(f"contention is for {contention.M} models but P has M = {M}")
+    if contention is not None and contention.is_zero:
+        contention = None
 
     def spec(delta: float) -> ModelSpec:
-        return ModelSpec.build(Pm, np.ones((M, M)), list(latencies), float(delta))
+        return ModelSpec.build(Pm, np.ones((M, M)), list(latencies), float(delta), contention)
 
     deltas = _candidates(L)
-    proxy, err_max, err_mean = _evaluate(L, deltas)
+    proxy, err_max, err_mean = _evaluate(L, deltas, contention)
 
     def at_most(x: float) -> int:  # the finest candidate whose e_{M-1}(D) is <= x
         fit = np.flatnonzero(proxy <= x)
@@ -132,7 +152,7 @@ def choose_delta(
 
     def probe(i: int, limit: int) -> tuple[int, int] | None:  # (table, largest chain), BFS only
         sp, total, largest = spec(deltas[i]), 0, 0
-        for N in range(1, cap + 1):
+        for N in range(lo, cap + 1):
             Bs = feasible_thresholds(M, N)
             sizes = _count(sp, N, Bs, limit - total)
             if sizes is None:

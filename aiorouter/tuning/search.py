@@ -1,4 +1,4 @@
-"""Full search for the throughput-optimal thresholds B* (DTMC.md, "The optimum").
+"""Full search for the throughput-optimal thresholds B* (docs/throughput-model.md, "The optimum").
 
 Every feasible B (sum_i (B_i - 1) < N, 1 <= B_i <= N) is solved exactly; no
 heuristic can miss the optimum.  Work is shared three ways:

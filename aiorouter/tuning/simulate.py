@@ -7,6 +7,15 @@ instant) route each request independently with P, count the committed tokens
 c_ij actually realised, and then idle models with k_i >= B_i launch their
 whole queue for L_i(b) seconds.
 
+With contention (`spec.contention`) the models share hardware the way the chain assumes, but
+simulated as rates, not as the chain's charges: each running model progresses at
+1 - sum_j kappa_ij(b_i, b_j) over the other running models j, re-evaluated at every event.  For
+two models the chain's charges are exactly this (docs/throughput-model.md); for more they
+approximate it, and this simulator measures how well.
+
+`schedule="sync"` simulates step-sync instead: models launch only when all are idle, and then
+every model with requests steps them all (the round waits for the slowest).
+
 Many independent replications advance in lock-step as numpy arrays, one event
 per replication per step, so a million events take about a second.
 """
@@ -19,9 +28,11 @@ from typing import Sequence
 
 import numpy as np
 
+from .contention import MAX_KAPPA
 from .spec import ModelSpec, check_concurrency, check_thresholds
 
 TIE_EPS = 1e-12  # seconds: completions closer than this are simultaneous
+SCHEDULES = ("delayed", "sync")
 
 
 @dataclass(frozen=True)
@@ -49,10 +60,16 @@ def simulate(
     warmup: int = 200,
     replications: int = 256,
     seed: int | None = 0,
+    schedule: str = "delayed",
 ) -> SimulationResult:
-    """Simulate `replications` independent systems for `events` epochs each."""
+    """Simulate `replications` independent systems for `events` epochs each.
+
+    `schedule`: "delayed" (thresholds B; all ones is eager) or "sync" (B is then ignored).
+    """
     N = check_concurrency(N)
-    Bv = np.array(check_thresholds(B, spec.M, N))
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    Bv = np.array(check_thresholds((1,) * spec.M if schedule == "sync" else B, spec.M, N))
     if events < 1 or warmup < 0 or replications < 2:
         raise ValueError("need events >= 1, warmup >= 0 and replications >= 2")
     rng = np.random.default_rng(seed)
@@ -60,33 +77,50 @@ def simulate(
     P, C = spec.p_array(), spec.c_array()
     cumP = np.cumsum(P, axis=1)[:, :-1]  # thresholds for inverse-CDF sampling
     lat = np.array([[lm(b) if b else 0.0 for b in range(N + 1)] for lm in spec.latency])
+    kappa = spec.kappa_table(N)
     slots = np.arange(N)
 
     k = np.zeros((R, M), dtype=np.int64)
     b = np.zeros((R, M), dtype=np.int64)
-    tend = np.full((R, M), np.inf)  # time to completion, inf when idle
+    work = np.full((R, M), np.inf)  # solo seconds of work left, inf when idle
     k[:, 0] = N
     stats = _Stats(R, M)
 
     def launch() -> None:
+        allowed = (b == 0).all(axis=1) if schedule == "sync" else np.ones(R, dtype=bool)
         for i in range(M):
-            go = (b[:, i] == 0) & (k[:, i] >= Bv[i])
+            go = allowed & (b[:, i] == 0) & (k[:, i] >= Bv[i])
             if go.any():
                 b[go, i] = k[go, i]
                 k[go, i] = 0
-                tend[go, i] = lat[i, b[go, i]]  # clocks are relative to "now"
+                work[go, i] = lat[i, b[go, i]]
                 stats.launch(go, i, b[go, i])
+
+    def rates() -> np.ndarray:
+        """Progress per second of each model now (1 without contention)."""
+        loss = np.zeros((R, M))
+        for i in range(M):
+            for j in range(M):
+                if j != i:
+                    loss[:, i] += kappa[i, j][b[:, i], b[:, j]]  # 0 when either is idle
+        return 1.0 - np.minimum(loss, MAX_KAPPA)
 
     launch()
     for step in range(warmup + events):
         if step == warmup:
             stats.reset()
-        dt = tend.min(axis=1)
+        if kappa is None:
+            dt = work.min(axis=1)
+            # Re-base every clock on the new "now" so times stay small and float
+            # error cannot grow with the simulated horizon (ties stay exact).
+            work -= dt[:, None]
+        else:
+            rate = rates()
+            left = work / rate  # inf when idle
+            dt = left.min(axis=1)
+            work = np.where(np.isinf(work), work, (left - dt[:, None]) * rate)
         stats.hold(dt, k, b)
-        # Re-base every clock on the new "now" so times stay small and float
-        # error cannot grow with the simulated horizon (ties stay exact).
-        tend -= dt[:, None]
-        completing = tend <= TIE_EPS
+        completing = work <= TIE_EPS
         arrivals = np.zeros((R, M), dtype=np.int64)
         for i in range(M):
             rows = np.flatnonzero(completing[:, i])
@@ -102,7 +136,7 @@ def simulate(
                 stats.tokens[rows] += m_j * C[i, j]
             stats.steps[rows, i] += bi
             b[rows, i] = 0
-            tend[rows, i] = np.inf
+            work[rows, i] = np.inf
         stats.arrived += arrivals
         stats.epochs += 1
         k += arrivals

@@ -1,4 +1,4 @@
-"""Validated inputs of the throughput model (see shared/design/DTMC.md).
+"""Validated inputs of the throughput model (docs/throughput-model.md).
 
 Everything that can be wrong with user input is checked here, once, with a
 ValueError that names the offending row / model / threshold, so the solver
@@ -14,6 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .contention import Contention
 from .latency import LatencyLike, LatencyModel, as_latency_model
 
 DEFAULT_DELTA = 1e-4  # 0.1 ms, the paper's quantum
@@ -51,12 +52,14 @@ def check_routing_matrix(P: object) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The routing system: P, C, per-model latency and the time quantum."""
+    """The routing system: P, C, per-model latency, the time quantum, and how the models slow
+    each other when they step at once (None: each as if on hardware of its own)."""
 
     P: Matrix
     C: Matrix
     latency: tuple[LatencyModel, ...]
     delta: float = DEFAULT_DELTA
+    contention: Contention | None = None
 
     @classmethod
     def build(
@@ -65,8 +68,12 @@ class ModelSpec:
         C: object,
         latency: Sequence[LatencyLike],
         delta: float = DEFAULT_DELTA,
+        contention: Contention | None = None,
     ) -> "ModelSpec":
-        """Validate raw inputs (nested lists / arrays / seconds) into a spec."""
+        """Validate raw inputs (nested lists / arrays / seconds) into a spec.
+
+        A contention model that is zero everywhere is stored as None: the chain is then exactly
+        the one without contention (same states, same solve)."""
         p = check_routing_matrix(P)
         c = _as_matrix("C", C)
         M = p.shape[0]
@@ -81,11 +88,19 @@ class ModelSpec:
         models = tuple(as_latency_model(x, i) for i, x in enumerate(lat))
         if not (isinstance(delta, (int, float)) and math.isfinite(delta) and delta > 0):
             raise ValueError(f"delta must be a positive number of seconds, got {delta!r}")
+        if contention is not None:
+            if not isinstance(contention, Contention):
+                raise ValueError(f"contention must be a Contention (aiorouter.tuning), got {contention!r}")
+            if contention.M != M:
+                raise ValueError(f"contention is for {contention.M} models but P has M = {M}")
+            if contention.is_zero:
+                contention = None
         return cls(
             P=tuple(tuple(float(v) for v in row) for row in p),
             C=tuple(tuple(float(v) for v in row) for row in c),
             latency=models,
             delta=float(delta),
+            contention=contention,
         )
 
     @property
@@ -102,6 +117,16 @@ class ModelSpec:
         """gamma_i = sum_j c_ij p_ij: expected tokens committed per request-step on i."""
         return (self.p_array() * self.c_array()).sum(axis=1)
 
+    def with_contention(self, contention: Contention | None) -> "ModelSpec":
+        return ModelSpec.build(self.P, self.C, self.latency, self.delta, contention)
+
+    def with_routing(self, P: object, C: object | None = None) -> "ModelSpec":
+        return ModelSpec.build(P, self.C if C is None else C, self.latency, self.delta, self.contention)
+
+    def kappa_table(self, N: int) -> np.ndarray | None:
+        """K[i, j, b_i, b_j] (contention.Contention.table), or None without contention."""
+        return None if self.contention is None else self.contention.table(N)
+
     def quanta_table(self, N: int) -> np.ndarray:
         """d[i, b] = residual quanta of a batch of b on model i (d[i, 0] = 0)."""
         d = np.zeros((self.M, N + 1), dtype=np.int64)
@@ -111,13 +136,17 @@ class ModelSpec:
         return d
 
 
-def quanta_unit(d: np.ndarray) -> int:
-    """gcd of all batch durations.
+def quanta_unit(d: np.ndarray, contended: bool = False) -> int:
+    """gcd of all batch durations (1 with contention).
 
     Every residual ever reached is an integer combination of durations, so
     measuring time in units of this gcd relabels the chain exactly (same
-    states, same transitions) while shrinking the packed-key space.
+    states, same transitions) while shrinking the packed-key space.  Contention
+    charges arbitrary fractions of a step (`contention.overlap`), so residuals
+    are then kept in quanta: delta alone sets the resolution.
     """
+    if contended:
+        return 1
     vals = [int(v) for v in d[:, 1:].ravel()]
     return reduce(math.gcd, vals) if vals else 1
 

@@ -1,0 +1,228 @@
+"""The Tuner: per concurrency N, the schedule to run, and when to re-solve it.
+
+It solves the threshold table (every feasible B, every N up to the cap) with the contention the
+models were measured to have, predicts step-sync beside it, and names per N the best of delayed
+(B*), eager and sync (`schedules.choose_schedule`).  When the routing drifts from the P it was
+solved for (`drift.routing_drift`), `propose` solves again for the observed P (re-choosing the
+quantum from the state budget when configured) and keeps, per N, the current choice unless the
+new one is predicted to beat it, under the new P, by more than `min_gain`.  `adopt` swaps it in.
+These are plain calls; when to make them (in a background thread, how often) is the caller's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ._blocks import SolverError
+from ._statespace import StateLimitError
+from .contention import Contention
+from .drift import RoutingDrift, routing_drift
+from .dtmc import DEFAULT_MAX_STATES
+from .latency import LatencyLike, LatencyModel
+from .online import RoutingEstimator, TuningCancelled
+from .quantum import choose_delta
+from .schedules import Schedule, choose_schedule, sync_throughput
+from .search import SearchResult, SolveCache, ThresholdTable, threshold_table
+from .spec import DEFAULT_DELTA, ModelSpec, check_concurrency
+
+log = logging.getLogger("aiorouter.tuning")
+
+
+@dataclass(frozen=True)
+class TunerConfig:
+    """What the router knows at start: the models, the template routing, their contention."""
+
+    P: tuple[tuple[float, ...], ...]
+    C: tuple[tuple[float, ...], ...]
+    latency: tuple[LatencyModel, ...]
+    max_concurrency: int
+    delta: float = DEFAULT_DELTA
+    drift_margin: float = 0.05  # an entry of P must move by more than this ...
+    drift_z: float = 3.0  # ... and by more than this many standard errors to count as drift
+    drift_min_row: int = 50  # decisions a row needs before it is tested
+    prior_strength: float = 200.0
+    min_new_observations: int = 500  # decisions between two re-solves
+    max_states: int = DEFAULT_MAX_STATES
+    workers: int = 1
+    contention: Contention | None = None
+    table_states: int | None = None  # re-choose delta from this state budget when re-solving
+    # A re-solve swaps the schedule at N only when it predicts more than this gain: measured
+    # throughput of one schedule moves by ~3 % between runs on the bench machine.
+    min_gain: float = 0.03
+    sync_margin: float = 0.0  # sync must beat delayed by more than this to be chosen
+
+    @classmethod
+    def build(cls, P: object, C: object, latency: Sequence[LatencyLike], max_concurrency: int,
+              **kw: object) -> "TunerConfig":
+        spec = ModelSpec.build(P, C, list(latency), kw.pop("delta", DEFAULT_DELTA),  # type: ignore[arg-type]
+                               kw.pop("contention", None))  # type: ignore[arg-type]
+        for name in ("min_gain", "sync_margin", "drift_margin", "drift_z"):
+            if name in kw and not float(kw[name]) >= 0:  # type: ignore[arg-type]
+                raise ValueError(f"TunerConfig.{name} must be >= 0, got {kw[name]!r}")
+        return cls(P=spec.P, C=spec.C, latency=spec.latency, max_concurrency=check_concurrency(max_concurrency),
+                   delta=spec.delta, contention=spec.contention, **kw)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Solved:
+    """One solve: the inputs, every N's threshold search, and the schedule per N."""
+
+    P: np.ndarray
+    C: np.ndarray
+    delta: float
+    table: ThresholdTable
+    schedules: dict[int, Schedule]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A re-solve after drift.  `changed`: the N whose schedule it swaps (empty: the predicted
+    gains stayed within `min_gain`; adopting it still moves the reference P)."""
+
+    drift: RoutingDrift
+    solved: Solved
+    gains: dict[int, float]  # per N: new choice over the current one, both under the new P, minus 1
+    changed: tuple[int, ...]
+
+
+@dataclass
+class Tuner:
+    """Holds the per-N schedules; re-solves them when the routing drifts."""
+
+    config: TunerConfig
+    cache: SolveCache = field(default_factory=SolveCache)
+    # Polled between concurrency levels: a router that closes mid-solve stops its thread.
+    should_stop: Callable[[], bool] | None = None
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        self.estimator = RoutingEstimator(cfg.P, cfg.C, cfg.prior_strength)
+        self._lock = threading.Lock()
+        self._mark = self.estimator.totals()
+        self._solved = self.solve(np.array(cfg.P), np.array(cfg.C), cfg.delta, "start")
+
+    # -- what to run ---------------------------------------------------------------------------
+    @property
+    def table(self) -> ThresholdTable:
+        return self._solved.table
+
+    @property
+    def solved_P(self) -> np.ndarray:
+        return self._solved.P.copy()
+
+    @property
+    def delta(self) -> float:
+        return self._solved.delta
+
+    def schedule(self, N: int) -> Schedule:
+        """The schedule for N requests in flight (N above the cap uses the cap's)."""
+        return self._solved.schedules[min(check_concurrency(N), self.config.max_concurrency)]
+
+    def thresholds(self, N: int) -> tuple[int, ...]:
+        """Delayed-batching thresholds for N: the schedule's B, or B* where the schedule is sync."""
+        s = self.schedule(N)
+        return s.thresholds if s.mode != "sync" else s.best_thresholds
+
+    def observe(self, src: int, dst: int, tokens: float | None = None) -> None:
+        self.estimator.observe(src, dst, tokens)
+
+    # -- solving -------------------------------------------------------------------------------
+    def spec(self, P: np.ndarray, C: np.ndarray, delta: float) -> ModelSpec:
+        return ModelSpec.build(P, C, list(self.config.latency), delta, self.config.contention)
+
+    def solve(self, P: np.ndarray, C: np.ndarray, delta: float, why: str) -> Solved:
+        """Threshold table and schedules for N = 1..cap (blocking; seconds)."""
+        cfg = self.config
+        spec = self.spec(P, C, delta)
+        t0, rows, schedules = time.perf_counter(), [], {}
+        for n in range(1, cfg.max_concurrency + 1):
+            if self.should_stop is not None and self.should_stop():
+                raise TuningCancelled(f"stopped before N = {n}")
+            try:
+                rows += threshold_table(spec, n, min_concurrency=n, max_states=cfg.max_states,
+                                        cache=self.cache, workers=cfg.workers).rows
+            except (StateLimitError, SolverError) as e:
+                # One N failing must not cost the others: keep N - 1's B*
+                # (feasible at N too), or all ones at N = 1.
+                prev = rows[-1].best if rows else (1,) * spec.M
+                log.warning("B* (%s) N=%d: solve failed (%s); using N=%d's B=%s", why, n, e, n - 1, prev)
+                rows.append(SearchResult(n, prev, float("nan"), (), 0.0))
+            schedules[n] = choose_schedule(rows[-1], sync_throughput(spec, n), cfg.sync_margin)
+        table = ThresholdTable(tuple(rows), time.perf_counter() - t0)
+        for row in table.rows:
+            s = schedules[row.N]
+            log.info("B* (%s) N=%d: B=%s predicted %.1f tokens/s (eager %.1f, sync %.1f): run %s",
+                     why, row.N, row.best, row.best_throughput, s.eager, s.sync, s.choice)
+        log.info("threshold table for N=1..%d solved in %.2fs", cfg.max_concurrency, table.seconds)
+        return Solved(np.array(P, dtype=float), np.array(C, dtype=float), float(delta), table, schedules)
+
+    def propose(self, counts: np.ndarray | None = None, tokens: np.ndarray | None = None) -> Proposal | None:
+        """Re-solve if the routing drifted; None if it did not (or no quantum fits the budget).
+
+        `counts` (M x M decisions i -> j) and `tokens` (tokens they committed) default to the
+        estimator's decisions since the last solve.  Blocking (a full solve, seconds)."""
+        cfg = self.config
+        if counts is None:
+            now = self.estimator.totals()
+            counts, tokens = now[0] - self._mark[0], now[1] - self._mark[1]
+        counts = np.asarray(counts, dtype=float)
+        cur = self._solved
+        drift = routing_drift(cur.P, counts, margin=cfg.drift_margin, z=cfg.drift_z, min_row=cfg.drift_min_row)
+        if not drift.drifted:
+            return None
+        C = cur.C.copy()
+        if tokens is not None:
+            ok = counts >= cfg.drift_min_row
+            C[ok] = np.asarray(tokens, dtype=float)[ok] / counts[ok]
+        delta = cur.delta
+        if cfg.table_states is not None:
+            try:
+                delta = choose_delta(drift.observed_P, list(cfg.latency), cfg.max_concurrency,
+                                     table_states=cfg.table_states, max_states=cfg.max_states,
+                                     contention=cfg.contention).delta
+            except ValueError as e:
+                log.warning("routing drifted but no quantum fits the state budget (%s); keeping B", e)
+                return None
+        log.info("routing drifted (P[%d][%d] moved %.3f, %.1f standard errors, %d decisions); re-solving",
+                 *(drift.entry or (0, 0)), drift.moved, drift.z_score, drift.decisions)
+        new = self.solve(drift.observed_P, C, delta, "re-solve")
+        schedules, gains, changed = {}, {}, []
+        for N, ns in new.schedules.items():
+            old = cur.schedules[N]
+            row = new.table[N]
+            if not row.candidates:  # this N failed: keep what runs
+                schedules[N] = old
+                continue
+            old_now = ns.predicted_for(old.mode, old.thresholds, row)
+            gains[N] = ns.predicted / old_now - 1.0
+            if ns.choice != old.choice and gains[N] > cfg.min_gain:
+                schedules[N] = ns
+                changed.append(N)
+            else:
+                schedules[N] = replace(ns, mode=old.mode, thresholds=old.thresholds, predicted=old_now)
+        return Proposal(drift, replace(new, schedules=schedules), gains, tuple(changed))
+
+    def adopt(self, proposal: Proposal) -> None:
+        """Make a proposal current; later drift is measured from its P and from now on."""
+        with self._lock:
+            self._solved = proposal.solved
+            self._mark = self.estimator.totals()
+
+    def maybe_resolve(self) -> bool:
+        """propose() on the decisions since the last solve (once there are enough) and adopt it.
+        True when some N's schedule changed."""
+        with self._lock:
+            now = self.estimator.totals()
+            if now[0].sum() - self._mark[0].sum() < self.config.min_new_observations:
+                return False
+        p = self.propose()
+        if p is None:
+            return False
+        self.adopt(p)
+        return bool(p.changed)

@@ -1,0 +1,138 @@
+"""The throughput model's side of `bench.modes`: profile a pair the way the runtime serves it,
+then predict sync, eager and delayed (every feasible B) for the routing a run observed.
+
+Inputs of a prediction, and where each comes from:
+- step cost a + per_seq * b + per_token * T of each model: profiled here, before any run, in a
+  worker thread with the intra-op threads the runtime gives it (`aiorouter.cpu_threads`);
+- contention kappa_ij(b_i, b_j): profiled here with `CoreShare` in place (cached by model files);
+- routing matrix P and tokens computed per request-step tau_i (catch-up extends and first-visit
+  prompts make it > 1): observed in the eager and sync runs at the same N, as the router's online
+  estimator observes them (the policy's template P can be far off: smollm2's rstitch).
+The model never sees a measured throughput or step time.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from aiorouter.cpu_threads import CoreShare, plan_threads
+from aiorouter.tuning import (
+    Contention,
+    ModelSpec,
+    SolveCache,
+    StepCost,
+    best_thresholds,
+    choose_delta,
+    choose_schedule,
+    fit_step_cost,
+    sync_throughput,
+)
+from engines import Engine, EngineConfig
+from engines.profile import contention_pairs, profile_contention, profile_step_latency
+
+STEP_SHAPES = lambda cap: [(1, 1), (4, 1), (cap, 1), (1, 32), (4, 8), (cap, 4)]
+
+
+@dataclass
+class PairProfile:
+    names: list[str]
+    costs: list[StepCost]
+    contention: Contention
+    samples: list[dict]
+    threads: list[int]
+    step_seconds: float  # wall time of the step-cost profile
+    contention_seconds: float  # wall time of the contention profile (0 when cached)
+
+    def describe(self) -> dict:
+        return {"threads": dict(zip(self.names, self.threads)),
+                "step_cost_ms": {n: {"a": 1e3 * c.a, "per_seq": 1e3 * c.per_seq, "per_token": 1e3 * c.per_token}
+                                 for n, c in zip(self.names, self.costs)},
+                "contention": self.samples, "profile_s": {"step_cost": self.step_seconds,
+                                                          "contention": self.contention_seconds}}
+
+
+def profile_pair(paths: dict[str, Path], cap: int, cache_dir: Path | None) -> PairProfile:
+    """Build both engines as the runtime does on CPU and profile step costs and contention."""
+    names = list(paths)
+    engines = [Engine(p, config=EngineConfig(num_kv_tokens=8192)) for p in paths.values()]
+    threads = plan_threads([e.num_params for e in engines])
+    share = CoreShare.plan(engines, threads)
+    pools = [ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(t,)) for t in threads]
+    try:
+        t0 = time.perf_counter()
+        shapes = STEP_SHAPES(cap)
+        costs = []
+        for e, pool in zip(engines, pools):
+            got = pool.submit(profile_step_latency, e, shapes).result()
+            costs.append(fit_step_cost(list(got), list(got.values())))
+        t1 = time.perf_counter()
+        heavy = max(range(len(engines)), key=lambda i: (threads[i], -i))
+        samples = profile_contention(engines, contention_pairs(len(engines), cap, heavy), threads=threads,
+                                     executors=pools, wrap=share.step_fn if share else None, cache_dir=cache_dir)
+        t2 = time.perf_counter()
+    finally:
+        for p in pools:
+            p.shutdown(wait=True)
+        del engines
+        gc.collect()
+    return PairProfile(names, costs, Contention.from_samples(len(names), samples),
+                       [s.__dict__ for s in samples], threads, t1 - t0, t2 - t1)
+
+
+def observed_routing(runs: list[dict], names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(P, tau) pooled over runs: P[i][j] = handoffs i -> j / request-steps on i; tau_i = tokens
+    model i computed / its request-steps."""
+    M = len(names)
+    moves, steps, computed = np.zeros((M, M)), np.zeros(M), np.zeros(M)
+    for r in runs:
+        for i, n in enumerate(names):
+            steps[i] += r["request_steps"][n]
+            computed[i] += r["tokens_computed"].get(n, 0)
+            for j, m in enumerate(names):
+                if i != j:
+                    moves[i, j] += r["handoffs"].get(f"{n}->{m}", 0)
+    P = np.where(steps[:, None] > 0, moves / np.maximum(steps, 1)[:, None], 0.0)
+    np.fill_diagonal(P, 0.0)
+    np.fill_diagonal(P, 1.0 - P.sum(axis=1))
+    tau = np.where(steps > 0, computed / np.maximum(steps, 1), 1.0)
+    return P, np.maximum(tau, 1.0)
+
+
+def predict(profile: PairProfile, P: np.ndarray, C: np.ndarray, tau: np.ndarray, N: int,
+            table_states: int = 3_000_000) -> dict:
+    """Predicted tok/s of sync, eager and every feasible B at N, and the schedule the model picks."""
+    t0 = time.perf_counter()
+    lats = [c.latency(float(t)) for c, t in zip(profile.costs, tau)]
+    con = None if profile.contention.is_zero else profile.contention
+    # Only row N is solved here, so the budget is spent on it alone.
+    choice = choose_delta(P, lats, N, table_states=table_states, contention=con, min_concurrency=N)
+    spec = ModelSpec.build(P, C, lats, choice.delta, con)
+    row = best_thresholds(spec, N, cache=SolveCache())
+    sync = sync_throughput(spec, N)
+    sched = choose_schedule(row, sync)
+    # The same without contention: what the chain predicted before it modelled shared hardware.
+    free = best_thresholds(ModelSpec.build(P, C, lats, choice.delta), N, cache=SolveCache())
+    return {"delta_ms": 1e3 * choice.delta, "routing_P": P.round(4).tolist(), "tokens_per_step": tau.round(3).tolist(),
+            "latency_ms": [[1e3 * m.a, 1e3 * m.c] for m in lats],
+            "best_thresholds": list(row.best), "best_tok_s": row.best_throughput,
+            "eager_tok_s": sched.eager, "sync_tok_s": sync.throughput, "schedule": list(sched.choice[:1]) +
+            ([list(sched.choice[1])] if len(sched.choice) > 1 else []),
+            "by_thresholds": {",".join(map(str, c.B)): c.throughput for c in row.candidates},
+            "no_contention": {"best_thresholds": list(free.best), "best_tok_s": free.best_throughput,
+                              "eager_tok_s": free.throughput_of((1,) * len(lats))},
+            "solve_s": time.perf_counter() - t0}
+
+
+def predicted_for(pred: dict, mode: str, thresholds: tuple[int, ...] | None) -> float:
+    if mode == "sync":
+        return pred["sync_tok_s"]
+    if mode == "eager":
+        return pred["eager_tok_s"]
+    return pred["by_thresholds"][",".join(map(str, thresholds))]
+
