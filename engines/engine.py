@@ -231,11 +231,6 @@ class Engine:
         inject on purpose. None (the default) costs nothing."""
         self.runner.fault_hook = hook
 
-    def reset_prefix_cache(self) -> int:
-        """Drop every prefix-cache page no live sequence holds (back to the free pool); returns how many.
-        Pages in use stay cached. Safe between steps and while one executes (its pages are in use)."""
-        return self.block_manager.reset_prefix_cache()
-
     # -- one step: schedule -> execute -> finish -----------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
         """Pick this step's sequences and reserve their KV (on the owner's thread: the event loop)."""

@@ -14,8 +14,9 @@ from typing import Awaitable, Callable, Sequence
 import numpy as np
 
 from .latency import LatencyModel, fit_latency
-from .online import Tuner, TunerConfig, TuningCancelled
+from .online import TuningCancelled
 from .quantum import choose_delta
+from .tuner import Tuner, TunerConfig
 
 log = logging.getLogger("aiorouter")
 
