@@ -191,3 +191,25 @@ async def test_http_errors_name_the_model_and_the_cache_flush_frees_pages(tiny_c
 
 def gauge(text: str, name: str) -> float:
     return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+# -- KV pool exhaustion -------------------------------------------------------------------------
+async def test_long_prompts_that_exhaust_the_kv_pools_all_complete_exactly(tiny_qwen3):
+    """Eight prompts of ~150 tokens on pools of 512 tokens each (room for three at once): the
+    schedulers wait and preempt (parked requests' KV included), every request still produces what
+    one model alone with room to spare produces, and the pools end empty. A prompt longer than a
+    pool is refused up front, naming its length and the context."""
+    ps = [[(37 * i + 11 * j) % 490 + 5 for j in range(140 + 3 * i)] for i in range(8)]
+    ref = [o.token_ids for o in Engine.from_pretrained(tiny_qwen3, num_kv_tokens=4096).generate(
+        ps, max_tokens=12, temperature=0.0, ignore_eos=True)]
+    engines = {n: Engine.from_pretrained(tiny_qwen3, num_kv_tokens=512) for n in ("small", "large")}
+    async with Router(engines, policy="random", policy_args={"p": 0.5, "seed": 3}, mode="eager",
+                      faults=PLAN) as r:
+        assert await outcomes(r, ps, max_tokens=12) == ref
+        preempted = {n: e.kv_usage().preemptions for n, e in engines.items()}
+        assert sum(preempted.values()) > 0, preempted
+        with pytest.raises(ValueError, match="prompt has 600 tokens; this model's context is 512"):
+            r.submit([5] * 600, max_tokens=4)
+        await asyncio.sleep(0.05)
+        kv_clean(r)
+        assert r.num_active == 0 and r.num_tasks == 2 and not r.dead_tasks()
