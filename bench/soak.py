@@ -11,7 +11,11 @@ it samples the server's RSS (/proc) and /metrics every 2 s and its /health every
 the load it waits for the server to drain, reads the KV pages still in use, flushes the prefix
 cache (POST /reset_prefix_cache) and reads them again, then stops the server with SIGTERM.
 
-Writes DIR/soak.json (the figures, the checks, the timelines), DIR/soak.png and DIR/soak-server.log.
+Before the warm-up it writes every page of both KV pools once (`touch_kv`: the pools are `torch.empty`,
+so their first fill would otherwise read as RSS growth).
+
+Writes DIR/soak.json (the figures, the checks, the timelines), DIR/soak.png, DIR/soak-server.log, and
+the figures as a block of bench/RESULTS.md (bench/soak_report.py; --quick: DIR/RESULTS-soak-quick.md).
 Exits 1 when a check fails. `--quick` is 2 minutes of load after a 20 s warm-up (tests/test_soak.py).
 """
 from __future__ import annotations
@@ -31,7 +35,14 @@ import numpy as np
 import openai
 
 from bench import soak_load as L
-from bench.common import ROOT, RESULTS, free_port, machine, tiny_chat_qwen3, wait_healthy
+from bench.common import (
+    RESULTS,
+    ROOT,
+    free_port,
+    machine,
+    tiny_chat_qwen3,
+    wait_healthy,
+)
 
 CONCURRENCY = 32
 
@@ -66,6 +77,7 @@ class Soak:
         self.timeline: list[list[float]] = []  # [t, rss MB, kv used small, large, kv cached small, large, active, loop tasks]
         self.health = {"checks": 0, "failures": 0, "max_latency_s": 0.0, "errors": []}
         self.kv_peak: dict[str, int] = {}
+        self.kv_touched: dict[str, int] = {}  # pages held after touch_kv (used + cached)
         self.t_load = 0.0  # perf_counter when the measured load starts (after the warm-up)
         self.stop_at = 0.0
 
@@ -143,9 +155,39 @@ class Soak:
                 c[o.result] += 1
         return c
 
+    async def touch_kv(self) -> dict[str, int]:
+        """Write every page of both KV pools once, before the warm-up. The pools are `torch.empty`
+        (engines/kv_cache.py): a page costs resident memory the first time it is written, so without
+        this the RSS figures would count the pools filling up for the first time (up to
+        --kv-memory-gb) as growth. Distinct long prompts of one token each, some sent on to the large
+        model, whose pages the prefix cache keeps until the pool is full and evictions begin."""
+        async with aiohttp.ClientSession() as http:
+            total = per_model(await self.metrics(http), "aiorouter_kv_pages_total")
+        page = 16  # EngineConfig.page_size, which `aiorouter serve` does not change
+        n_tok = 1000
+        n_small = int(1.2 * total["small"] * page / n_tok) + 1
+        n_large = int(1.2 * total["large"] * page / n_tok) + 1
+        sem = asyncio.Semaphore(4)
+
+        async def one(routing: dict) -> None:
+            async with sem:
+                await self.client.completions.create(model=L.MODEL, prompt=self.mix.ids(n_tok, n_tok + 1), max_tokens=1,
+                                                     extra_body={"routing": routing})
+        # random p=1: the one token is sampled on the small model, then the large one prefills it all
+        await asyncio.gather(*([one({"policy": "random", "p": 1.0}) for _ in range(n_large)] +
+                               [one({"policy": "single"}) for _ in range(max(0, n_small - n_large))]))
+        async with aiohttp.ClientSession() as http:
+            m = await self.metrics(http)
+        return {k: per_model(m, "aiorouter_kv_pages_cached")[k] + per_model(m, "aiorouter_kv_pages_used")[k]
+                for k in total}
+
     async def run(self) -> dict:
         a = self.args
         loop_tasks_start = await self.loop_tasks()  # idle, before any load
+        t0, rss0 = time.perf_counter(), rss_mb(self.proc.pid)
+        self.kv_touched = await self.touch_kv()
+        print(f"KV pools written once in {time.perf_counter() - t0:.0f}s (pages held now {self.kv_touched}): "
+              f"RSS {rss0:.0f} -> {rss_mb(self.proc.pid):.0f} MB", flush=True)
         async with aiohttp.ClientSession() as http:
             done = asyncio.Event()
             self.t_load = time.perf_counter() + a.warmup_s
@@ -234,7 +276,9 @@ class Soak:
             "no KV page in use after drain": drained and sum(used_after.values()) == 0,
             "the prefix cache held pages, and gave them all back on flush":
                 sum(cached_after.values()) > 0 and sum(cached_flush.values()) == 0 and sum(used_flush.values()) == 0,
-            "the large model's KV pool ran dry in the bursts": preempt.get("large", 0) > 0,
+            # full: every page in use (a waiting request then waits for pages, or preempts one)
+            "the large model's KV pool ran dry in the bursts":
+                preempt.get("large", 0) > 0 or self.kv_peak.get("large", 0) >= total.get("large", 1),
             "RSS growth under 5% from the first minute to the last": rss_growth is not None and rss_growth < 0.05,
             "/health answered throughout": self.health["failures"] == 0,
             "no request wedged": not wedged,
@@ -249,7 +293,7 @@ class Soak:
             "bad_requests_refused": c["rejected"], "failed_injected": c["injected"], "failed_other": c["failed"],
             "faults_not_fired": c["not_fired"], "by_kind": by_kind, "failures": errors,
             "kv_pages_in_use_after_drain": sum(used_after.values()),
-            "kv": {"total": total, "peak_used": self.kv_peak, "preemptions": preempt, "used_after_drain": used_after,
+            "kv": {"total": total, "held_after_touch": self.kv_touched, "peak_used": self.kv_peak, "preemptions": preempt, "used_after_drain": used_after,
                    "cached_after_drain": cached_after, "pages_freed_by_flush": freed,
                    "used_after_flush": used_flush, "cached_after_flush": cached_flush},
             "drain_s": round(t_drain, 2),
@@ -294,7 +338,11 @@ async def main_async(args) -> int:
         log.close()
     (out / "soak.json").write_text(json.dumps(data, indent=1))
     from bench.plots import soak as plot
+    from bench.soak_report import write as write_md
     plot(data, out / "soak.png")
+    md = Path(args.md) if args.md else out / "RESULTS-soak-quick.md" if args.quick else ROOT / "bench" / "RESULTS.md"
+    write_md(data, md, out / "soak.json", out / "soak.png")
+    print(f"wrote {out / 'soak.json'}, {out / 'soak.png'} and the soak block of {md}", flush=True)
     print(summary(data), flush=True)
     return 0 if data["ok"] else 1
 
@@ -333,13 +381,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS), help="directory for soak.json, soak.png, soak-server.log")
     ap.add_argument("--warmup-s", type=float, default=60.0)
     ap.add_argument("--kv-memory-gb", type=float, default=0.3, help="the server's KV memory (both models)")
-    ap.add_argument("--burst-every-s", type=float, default=240.0, help="seconds between long-prompt bursts")
+    ap.add_argument("--burst-every-s", type=float, default=240.0,
+                    help="seconds between long-prompt bursts (the first at half of it)")
     ap.add_argument("--burst-n", type=int, default=8, help="long prompts per burst")
     ap.add_argument("--burst-len", type=int, default=700, help="tokens per long prompt (about)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--md", default=None, help="the file for the figures' block (default bench/RESULTS.md; "
+                    "--quick: DIR/RESULTS-soak-quick.md)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.minutes, args.warmup_s, args.burst_every_s = 2.0, 20.0, 120.0
+        # a burst in each minute (at 30 s and 90 s): the first and last minutes' RSS compare like with like
+        args.minutes, args.warmup_s, args.burst_every_s = 2.0, 20.0, 60.0
     return asyncio.run(main_async(args))
 
 

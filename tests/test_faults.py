@@ -9,14 +9,14 @@ import json
 import aiohttp
 import pytest
 import torch
+from test_router import kv_clean
+from test_server import running_server
 
 from aiorouter import Router, RouterError
 from aiorouter.faults import FaultPlan
 from engines import Engine, SamplingParams
 from engines.sampling import sample, sample_batched
 from server.cli import main as cli_main
-from test_router import kv_clean
-from test_server import running_server
 
 MARK = {"step": (501, 502, 503), "nan": (501, 502, 504), "inf": (501, 502, 505),
         "route": (501, 502, 506), "send": (501, 502, 507), "receive": (501, 502, 508)}
