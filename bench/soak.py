@@ -321,6 +321,7 @@ async def main_async(args) -> int:
            "--policy", "random", "--policy-arg", "p=0.3", "--kv-memory-gb", str(args.kv_memory_gb),
            "--port", str(port), "--inject-faults", str(plan), "--grace", "30"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.update(kv.split("=", 1) for kv in args.server_env)
     print("server:", " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     try:
@@ -386,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burst-n", type=int, default=8, help="long prompts per burst")
     ap.add_argument("--burst-len", type=int, default=700, help="tokens per long prompt (about)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an environment variable for the server (repeat), e.g. glibc's MALLOC_ARENA_MAX=2 "
+                         "to tell allocator retention from a leak")
     ap.add_argument("--md", default=None, help="the file for the figures' block (default bench/RESULTS.md; "
                     "--quick: DIR/RESULTS-soak-quick.md)")
     args = ap.parse_args(argv)
