@@ -1,6 +1,8 @@
 """The soak's --quick run (bench/soak.py): a real `aiorouter serve` under 2 minutes of mixed load with
 failures on purpose. Nothing but the injected requests may fail, no KV page may stay in use, the
-prefix cache must give its pages back on a flush, RSS may not creep, /health must always answer."""
+prefix cache must give its pages back on a flush, RSS may not creep (the server on bench.soak's default
+"bounded" glibc malloc settings: the check is for leaks, not glibc's retention; see MALLOC there), /health
+must always answer."""
 from __future__ import annotations
 
 import json
