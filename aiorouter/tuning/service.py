@@ -15,8 +15,8 @@ import numpy as np
 
 from .latency import LatencyModel, fit_latency
 from .online import TuningCancelled
-from .quantum import choose_delta
 from .tuner import Tuner, TunerConfig
+from .quantum import choose_delta
 
 log = logging.getLogger("aiorouter")
 
