@@ -138,12 +138,18 @@ class Soak:
                 self.outcomes.append(L.Outcome("client", "failed", time.perf_counter(), 0.0, detail=f"client: {e!r}"))
 
     async def bursts(self, every_s: float, n: int, prompt_len: int) -> None:
-        t = self.t_load + every_s / 2
-        while t < self.stop_at - 20:
-            await asyncio.sleep(max(0.0, t - time.perf_counter()))
+        """A burst every `every_s` from `every_s / 2` on, on the clock: a slow burst does not push the
+        next one later (or past the end of the load)."""
+        async def one() -> None:
             print(f"[{time.perf_counter() - self.t_load:6.0f}s] KV burst: {n} prompts of ~{prompt_len} tokens", flush=True)
             self.outcomes.extend(await L.burst(self.client, self.mix, n, prompt_len))
+
+        tasks, t = [], self.t_load + every_s / 2
+        while t < self.stop_at - 20:
+            await asyncio.sleep(max(0.0, t - time.perf_counter()))
+            tasks.append(asyncio.create_task(one()))
             t += every_s
+        await asyncio.gather(*tasks)
 
     async def progress(self, done: asyncio.Event) -> None:
         while not done.is_set():
