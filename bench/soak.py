@@ -97,7 +97,11 @@ class Soak:
         """The server's event-loop task count, asked on a connection of its own that closes after:
         every open keep-alive connection holds a handler task, and this one must be the only one."""
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
-            return (await self.metrics(http)).get("aiorouter_event_loop_tasks")
+            m = await self.metrics(http)
+        if "aiorouter_event_loop_tasks" not in m:
+            return None
+        # a drift re-solve of the thresholds is one task while it runs (minutes on a loaded machine)
+        return m["aiorouter_event_loop_tasks"] - m.get("aiorouter_tuning_resolving", 0)
 
     # -- background watchers ---------------------------------------------------------------------
     async def watch_health(self, http: aiohttp.ClientSession, done: asyncio.Event) -> None:
@@ -295,9 +299,10 @@ class Soak:
             "no KV page in use after drain": drained and sum(used_after.values()) == 0,
             "the prefix cache held pages, and gave them all back on flush":
                 sum(cached_after.values()) > 0 and sum(cached_flush.values()) == 0 and sum(used_flush.values()) == 0,
-            # full: every page in use (a waiting request then waits for pages, or preempts one)
+            # full: (nearly) every page in use when sampled every 2 s (a request then waits for pages or
+            # preempts one); the bursts ask for ~480 pages of the large model's 410
             "the large model's KV pool ran dry in the bursts":
-                preempt.get("large", 0) > 0 or self.kv_peak.get("large", 0) >= total.get("large", 1),
+                preempt.get("large", 0) > 0 or self.kv_peak.get("large", 0) >= 0.97 * total.get("large", 1),
             "RSS growth under 5% from the first minute to the last": rss_growth is not None and rss_growth < 0.05,
             "/health answered throughout": self.health["failures"] == 0,
             "no request wedged": not wedged,

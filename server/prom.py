@@ -20,6 +20,9 @@ class _RouterCollector:
             req.add_metric([reason], n)
         yield req
         yield GaugeMetricFamily("aiorouter_requests_active", "Requests in the router", value=m.active)
+        yield GaugeMetricFamily("aiorouter_tuning_resolving", "1 while a drift re-solve of the thresholds runs "
+                                "(one event-loop task)", value=int(self.router.tuning is not None
+                                                                    and self.router.tuning.resolving))
         yield GaugeMetricFamily("aiorouter_thresholds_tuned", "1 once the start-up threshold solve is over "
                                 "(until then every delayed-batching threshold is 1)", value=int(self.router.tuned))
         if self.server is not None:

@@ -56,6 +56,11 @@ class TuningService:
         """The start-up solve has ended (its table applied, or failed and left every threshold at 1)."""
         return self._task is not None and self._task.done()
 
+    @property
+    def resolving(self) -> bool:
+        """A drift re-solve is running (one event-loop task at most; its solve runs in a worker thread)."""
+        return self._resolving is not None
+
     def _build_tuner(self, lats: list[LatencyModel]) -> Tuner:
         """(thread) Pick delta from the state budget, then solve the table for N = 1..cap."""
         P, C = self.template
