@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Mapping
 
 from aiorouter import heap
 from aiorouter.cpu_threads import CoreShare, resolve_threads
+from aiorouter.faults import FaultPlan
 from aiorouter.launch import MODES, LaunchControl, parse_thresholds
 from aiorouter.metrics import RouterMetrics
 from aiorouter.request import GenerateResult, NewRequest, RouterError, RouterRequest, StreamEvent
@@ -24,6 +25,7 @@ from aiorouter.requests import RequestTable
 from aiorouter.spec import ModelSpec
 from aiorouter.subserver import Subserver
 from engines import Engine, SamplingParams
+from engines.engine import KVUsage
 from engines.streams import StreamFactory
 from policies import ModelInfo, Policy, make_policy
 
@@ -41,7 +43,8 @@ class Router:
                  policy_args: dict[str, Any] | None = None, entry: str | None = None, device: str = "cpu",
                  mode: str = "delayed", thresholds: object = "auto", max_concurrency: int = 64,
                  max_wait_ms: float | None = None, kv_memory_gb: float = 2.0, tune_concurrency: int | None = None,
-                 threads: int | Mapping[str, int] | None = None):
+                 threads: int | Mapping[str, int] | None = None, faults: FaultPlan | None = None):
+        """`faults`: test-only, requests that fail on purpose (aiorouter/faults.py); never in production."""
         if not models:
             raise ValueError("a router needs at least one model")
         self.names = list(models)
@@ -59,6 +62,7 @@ class Router:
         self.threads = threads
         self.policy = make_policy(policy, policy_args)
         self.policy.bind(self.names)
+        self.faults = faults
         self._fixed_thresholds = parse_thresholds(thresholds, self.names, max_concurrency)
         self.metrics = RouterMetrics(models={})
         self.subservers: list[Subserver] = []
@@ -110,6 +114,11 @@ class Router:
             from engines.profile import profile_decode_latency
             await self.tuning.start([lambda sizes, s=s: s.in_worker(profile_decode_latency, s.engine, sizes)
                                      for s in self.subservers])
+        if self.faults is not None:
+            log.warning("fault injection is on (test-only): prompts that start with a marker fail on purpose")
+            self.policy.set_fault_hook(self.faults.on_policy)
+            for e in engines:
+                e.set_fault_hook(self.faults.on_step)
         self._tasks = [asyncio.create_task(s.run(), name=f"aiorouter-{s.name}") for s in self.subservers]
         for t in self._tasks:
             t.add_done_callback(self._on_task_done)
@@ -157,6 +166,11 @@ class Router:
             log.error("subserver task %s died: %r", task.get_name(), task.exception())
             self._requests.fail_all(RouterError(f"router task {task.get_name()} died: {task.exception()!r}"))
 
+    @property
+    def tuned(self) -> bool:
+        """The start-up threshold solve is over (or there is none): the router runs as configured."""
+        return self.tuning is None or self.tuning.solved
+
     async def wait_tuned(self) -> None:
         """Wait until the start-up threshold solve (thresholds="auto") is done."""
         if self.tuning is not None:
@@ -181,6 +195,10 @@ class Router:
                 if s.engine.layer_hook is not None:
                     s.engine.set_layer_hook(None)
             self._core_share = None
+        if self.faults is not None:  # the engines and the policy may serve on elsewhere
+            self.policy.set_fault_hook(None)
+            for s in self.subservers:
+                s.engine.set_fault_hook(None)
         self._tasks = []
         if self._holds_heap:
             heap.release()
@@ -210,6 +228,21 @@ class Router:
     def dead_tasks(self) -> list[str]:
         """Names of subserver tasks that have stopped (a healthy running router has none)."""
         return [t.get_name() for t in self._tasks if t.done()]
+
+    @property
+    def num_tasks(self) -> int:
+        """Subserver tasks running (one per model while the router serves)."""
+        return sum(not t.done() for t in self._tasks)
+
+    def kv_usage(self) -> dict[str, KVUsage]:
+        """Each model's KV pool now: pages in use by requests, cached by the prefix cache, free."""
+        return {s.name: s.engine.kv_usage() for s in self.subservers}
+
+    def reset_prefix_cache(self) -> dict[str, int]:
+        """Empty every model's prefix cache of the pages no request holds -> pages freed per model.
+        A cache that is never flushed keeps its pages until the pool needs them (they are evictable,
+        never leaked); this gives them back now: to measure what is left, or after a weight change."""
+        return {s.name: s.engine.reset_prefix_cache() for s in self.subservers}
 
     # -- client API ----------------------------------------------------------------------------
     def prompt_ids(self, prompt: Prompt) -> list[int]:
@@ -249,6 +282,8 @@ class Router:
                 raise ValueError(f"prompt has {len(ids)} tokens; model {s.name!r} has context {s.engine.max_model_len}")
         if policy is not None:
             policy.bind(self.names)
+            if self.faults is not None:
+                policy.set_fault_hook(self.faults.on_policy)
             policy.setup(self._models)
             if self._vocabulary_check(policy) != self._extra_rows:
                 raise ValueError(f"policy {policy.name!r} reads other output rows than the router's "

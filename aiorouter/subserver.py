@@ -75,14 +75,17 @@ class Subserver:
         if req.finished:
             return
         try:
-            tokens = list(req.policy.receive(pr, self._view(req)))
+            view = self._view(req)
+            if req.policy.fault_hook is not None:
+                req.policy.fault_hook("receive", [view])
+            tokens = list(req.policy.receive(pr, view))
             seen = req.seen[self.index]
             if tokens != req.token_ids[seen:seen + len(tokens)]:
                 raise RouterError(f"policy {req.policy.name!r}.receive on {self.name!r} returned tokens that are not "
                                   f"the request's committed tokens from position {seen}")
         except Exception as e:  # a policy bug fails this request only
             self.requests.fail(req, e if isinstance(e, RouterError) else
-                               RouterError(f"policy {req.policy.name!r} raised in receive on {self.name!r}: {e!r}"))
+                               RouterError(f"policy {req.policy.name!r} raised in receive on model {self.name!r}: {e!r}"))
             return
         self._arrive(req, tokens)
 
@@ -109,19 +112,39 @@ class Subserver:
                 return False
             t0 = time.perf_counter()
             self._admitted(batch, t0)
-            try:
-                out = self.engine.finish(batch, await self._run(batch))
-            except Exception as e:
-                log.exception("model %s: step failed", self.name)
-                for seq, _ in batch:
-                    self.requests.fail(seq.user_data, RouterError(f"model {self.name!r} failed a step: {e!r}"))
-                return True
-            self.metrics.record_step(len(batch), time.perf_counter() - t0)
-            await self.route(out)
+            for part, out in await self._isolating(batch):
+                self.engine.finish(part, out)
+                self.metrics.record_step(len(part), time.perf_counter() - t0)
+                for row in out.bad_rows:
+                    req = out.seqs[row].user_data
+                    self.requests.fail(req, RouterError(
+                        f"model {self.name!r} produced non-finite logits (NaN or inf) for this request at output "
+                        f"token {req.num_output_tokens}; the request is stopped"))
+                await self.route(out)
             return True
         finally:
             self.launch.ended(self.index)
             self._report()
+
+    async def _isolating(self, batch: list[ScheduledSeq]) -> list[tuple[list[ScheduledSeq], ForwardOutput]]:
+        """Run the batch -> [(part, its output)]. A step that raises is run again in halves, so a
+        sequence that makes steps fail fails alone (about 2*log2(B) extra steps for one such
+        sequence in a batch of B) and the rest of the batch goes on. Rerunning is sound: a step
+        that raised committed nothing (`finish` did not run), so its sequences compute the same
+        positions again and rewrite their K/V slots with the same values. (A seeded sampled
+        request that is rerun draws again, so its tokens are then not batch-independent.)"""
+        try:
+            return [(batch, await self._run(batch))]
+        except Exception as e:
+            if len(batch) == 1:
+                req = batch[0].seq.user_data
+                log.warning("model %s: a step failed for request %s: %r", self.name, req.rid, e)
+                self.requests.fail(req, RouterError(f"model {self.name!r} failed a step: {e!r}"))
+                return []
+            log.exception("model %s: a step of %d sequences failed; running it in halves to isolate the cause",
+                          self.name, len(batch))
+        half = len(batch) // 2
+        return await self._isolating(batch[:half]) + await self._isolating(batch[half:])
 
     async def _run(self, batch: list[ScheduledSeq]) -> ForwardOutput:
         """The forward in this model's worker thread. On CUDA the runner launches on the model's own
@@ -143,29 +166,41 @@ class Subserver:
             if not seq.user_data.finished:
                 groups.setdefault(id(seq.user_data.policy), []).append(row)
         for rows in groups.values():
-            reqs: list[RouterRequest] = [out.seqs[r].user_data for r in rows]
-            policy = reqs[0].policy
-            logits, hidden = self._rows(out, rows)
-            V = self.engine.vocab_size  # rows past V: reserved for the policy (a view, no copy)
-            result = StepResult(self.index, logits[:, :V], torch.tensor([out.next_tokens[r] for r in rows]), hidden,
-                                [self._view(q, out.next_tokens[r]) for q, r in zip(reqs, rows)],
-                                logits[:, V:] if logits.shape[-1] > V else None)
-            try:
-                dests = await self.in_worker(policy.route, result) if policy.route_in_worker else policy.route(result)
-                dests = [int(d) for d in (dests.tolist() if hasattr(dests, "tolist") else dests)]
-                if len(dests) != len(rows):
-                    raise RouterError(f"policy {policy.name!r}.route returned {len(dests)} destinations "
-                                      f"for a batch of {len(rows)}")
-            except Exception as e:
-                err = e if isinstance(e, RouterError) else RouterError(f"policy {policy.name!r} raised in route: {e!r}")
-                for q in reqs:
-                    self.requests.fail(q, err)
-                continue
-            for q, d, view in zip(reqs, dests, result.reqs):
+            policy = out.seqs[rows[0]].user_data.policy
+            for req, d, view in await self._decide(policy, out, rows):
+                if req.finished:  # ended while an isolating re-route ran (a client gone)
+                    continue
                 if d == STAY:
-                    self._stay(q, view.sampled)
+                    self._stay(req, view.sampled)
                 else:
-                    self._hand_off(policy, q, d, view)
+                    self._hand_off(policy, req, d, view)
+
+    async def _decide(self, policy: Policy, out: ForwardOutput, rows: list[int]) -> list[tuple[RouterRequest, int, ReqView]]:
+        """`policy.route` for these rows -> (request, destination, view) each. When route raises for
+        the batch, it is asked again for each request alone, so the request that makes it raise
+        fails alone and the others go on (route sees each of them once more)."""
+        reqs: list[RouterRequest] = [out.seqs[r].user_data for r in rows]
+        logits, hidden = self._rows(out, rows)
+        V = self.engine.vocab_size  # rows past V: reserved for the policy (a view, no copy)
+        result = StepResult(self.index, logits[:, :V], torch.tensor([out.next_tokens[r] for r in rows]), hidden,
+                            [self._view(q, out.next_tokens[r]) for q, r in zip(reqs, rows)],
+                            logits[:, V:] if logits.shape[-1] > V else None)
+        try:
+            if policy.fault_hook is not None:
+                policy.fault_hook("route", result.reqs)
+            dests = await self.in_worker(policy.route, result) if policy.route_in_worker else policy.route(result)
+            dests = [int(d) for d in (dests.tolist() if hasattr(dests, "tolist") else dests)]
+            if len(dests) != len(rows):
+                raise RouterError(f"policy {policy.name!r}.route returned {len(dests)} destinations "
+                                  f"for a batch of {len(rows)}")
+        except Exception as e:
+            if len(rows) > 1:
+                return [x for r in rows if not out.seqs[r].user_data.finished
+                        for x in await self._decide(policy, out, [r])]
+            self.requests.fail(reqs[0], e if isinstance(e, RouterError) else
+                               RouterError(f"policy {policy.name!r} raised in route on model {self.name!r}: {e!r}"))
+            return []
+        return list(zip(reqs, dests, result.reqs))
 
     @staticmethod
     def _rows(out: ForwardOutput, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -196,11 +231,14 @@ class Subserver:
                 raise RouterError(f"policy {policy.name!r} routed to peer {dest} from model {self.name!r}, "
                                   f"which has {len(peers)} peers")
             target = peers[dest - 1]
-            pr = policy.send(view._replace(peer=target))
+            view = view._replace(peer=target)
+            if policy.fault_hook is not None:
+                policy.fault_hook("send", [view])
+            pr = policy.send(view)
             new = self._check_send(policy, req, pr, target)
         except Exception as e:
             self.requests.fail(req, e if isinstance(e, RouterError) else
-                               RouterError(f"policy {policy.name!r} raised in send on {self.name!r}: {e!r}"))
+                               RouterError(f"policy {policy.name!r} raised in send on model {self.name!r}: {e!r}"))
             return
         if self.observe is not None:
             self.observe(self.index, target, len(new))

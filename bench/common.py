@@ -44,6 +44,24 @@ def tiny_qwen3(name: str, vocab: int = 4096, seed: int = 0) -> Path:
     return path
 
 
+def tiny_chat_qwen3(name: str, seed: int = 0) -> Path:
+    """The cpu-tiny model `name` with SmolLM2's vocabulary (49152) and its tokenizer and chat
+    template beside the weights, so text and chat endpoints serve it (as tests/conftest.py's
+    tiny_chat_model does for the tests)."""
+    import shutil
+
+    from engines.default_model import default_model_path
+    path = tiny_qwen3(name, vocab=49152, seed=seed)
+    if not (path / "tokenizer.json").is_file():
+        names = [f.name for f in default_model_path().iterdir()
+                 if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "special_tokens_map.json")]
+        for name in sorted(names, key=lambda n: n == "tokenizer.json"):  # the file checked above goes last
+            tmp = path / f"{name}.tmp{os.getpid()}"
+            shutil.copy2(default_model_path() / name, tmp)
+            tmp.rename(path / name)  # whole files only: another process may be reading the directory
+    return path
+
+
 def machine() -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()

@@ -137,6 +137,44 @@ def ablation(data: dict, path: Path) -> Path:
     return _save(plt, fig, path)
 
 
+def soak(data: dict, path: Path) -> Path:
+    """bench/soak.py's run over time: request latency (p50, p99 in 10 s windows), the server's RSS,
+    and each model's KV pages in use and held by the prefix cache (the long-prompt bursts show)."""
+    plt = _plt()
+    fig, axes = plt.subplots(3, 1, figsize=(9, 8.5), sharex=True)
+    lat = [w for w in data["latency_10s"] if w["n"]]
+    mins = [(w["start_s"] + 5) / 60 for w in lat]
+    ax = axes[0]
+    ax.plot(mins, [w["p50_s"] for w in lat], color="tab:blue", label="p50 (10 s windows)")
+    ax.plot(mins, [w["p99_s"] for w in lat], color="tab:red", label="p99 (10 s windows)")
+    ax.set_yscale("log")
+    ax.set_ylabel("request latency (s)")
+    ax.legend(fontsize=8, loc="upper left")
+    cols = data["timeline_columns"]
+    tl = [dict(zip(cols, row)) for row in data["timeline"]]
+    t = [r["t_s"] / 60 for r in tl]
+    axes[1].plot(t, [r["rss_mb"] for r in tl], color="tab:purple")
+    axes[1].set_ylabel("server RSS (MB)")
+    ax = axes[2]
+    for model, color in (("small", "tab:green"), ("large", "tab:orange")):
+        ax.plot(t, [r[f"kv_used_{model}"] for r in tl], color=color, label=f"{model}: in use")
+        ax.plot(t, [r[f"kv_cached_{model}"] for r in tl], color=color, linestyle=":", label=f"{model}: prefix cache")
+        total = data["kv"]["total"].get(model)
+        if total:
+            ax.axhline(total, color=color, linewidth=0.6, alpha=0.5)
+    ax.set_ylabel("KV pages")
+    ax.set_xlabel("minutes of load (negative: warm-up)")
+    ax.legend(fontsize=8, ncol=2, loc="upper left")
+    for ax in axes:
+        ax.axvline(0, color="k", linewidth=0.6, alpha=0.4)
+        ax.grid(alpha=0.3)
+    m = data["machine"]
+    fig.suptitle(f"soak: {data['requests_sent']} requests, concurrency {data['concurrency']}, "
+                 f"{data['failed_other']} unexpected failures (load avg {m['load_avg'][0]:.1f} on {m['cores']} cores)",
+                 fontsize=10)
+    return _save(plt, fig, path)
+
+
 def make_all(data: dict, out_dir: Path, name: str) -> list[Path]:
     out_dir = Path(out_dir)
     if not any(cell for wls in data["results"].values() for cell in wls.values()):

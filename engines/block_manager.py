@@ -93,6 +93,14 @@ class BlockManager:
             self.prefix_cache.insert(key, seq.block_table[i])  # a duplicate simply stays private
         seq.num_registered_pages, seq.last_page_key = n_full, keys[-1]
 
+    def uncache(self, seq: Sequence) -> None:
+        """The sequence's K/V may be broken (its logits were NaN/inf): no later request may match the
+        pages it computed, so they leave the prefix cache (the ones it matched at admission stay)."""
+        if self.prefix_cache is None:
+            return
+        for page in seq.block_table[seq.num_cached_tokens // self.page_size:]:
+            self.prefix_cache.discard(page)
+
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's pages: cached ones stay in the prefix cache, the rest go back."""
         for page in seq.block_table:

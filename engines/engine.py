@@ -12,7 +12,7 @@ from engines.block_manager import BlockManager
 from engines.config import EngineConfig, ModelConfig
 from engines.devices import parse_devices
 from engines.output import OutputStream
-from engines.runner import ForwardOutput, ModelRunner, ScheduledSeq
+from engines.runner import ForwardOutput, ModelRunner, ScheduledSeq, StepFaultHook
 from engines.sampling import SamplingParams
 from engines.scheduler import Scheduler
 from engines.sequence import Sequence
@@ -224,6 +224,13 @@ class Engine:
         resizes that thread's OpenMP team there)."""
         self.runner.layer_hook = hook
 
+    def set_fault_hook(self, hook: StepFaultHook | None) -> None:
+        """Test-only (aiorouter/faults.py): `hook(seqs, logits)` runs in the stepping thread with a
+        step's sampled sequences and their logits [B, V] before sampling. It may raise (a failing
+        step) or write NaN/inf into rows (a sequence whose numbers broke): what tests and the soak
+        inject on purpose. None (the default) costs nothing."""
+        self.runner.fault_hook = hook
+
     # -- one step: schedule -> execute -> finish -----------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
         """Pick this step's sequences and reserve their KV (on the owner's thread: the event loop)."""
@@ -238,6 +245,8 @@ class Engine:
         """The batch's K/V are written: advance the sequences and count the step. Tokens are not
         appended: the caller decides (`Engine.step` commits them; a router may discard them)."""
         self.scheduler.commit(batch)
+        for row in out.bad_rows:  # NaN/inf logits: that sequence's K/V may be broken too, share none of it
+            self.block_manager.uncache(out.seqs[row])
         st = self.stats
         st.num_steps += 1
         for seq, n in batch:
@@ -253,9 +262,20 @@ class Engine:
         return self.finish(batch, self.execute(batch, want_hidden)) if batch else None
 
     def step(self) -> list[Sequence]:
-        """One continuous-batching step; returns the sequences that finished in it."""
+        """One continuous-batching step; returns the sequences that finished in it. A sequence whose
+        logits were NaN/inf (`ForwardOutput.bad_rows`) finishes with "error"; the others go on."""
         out = self.forward()
-        return [] if out is None else [s for s, t in zip(out.seqs, out.next_tokens) if self.append_token(s, t)]
+        if out is None:
+            return []
+        done = []
+        for row, (s, t) in enumerate(zip(out.seqs, out.next_tokens)):
+            if row in out.bad_rows:
+                self._outputs[s.seq_id].finish("error")
+                self.scheduler.finish(s, "error")
+                done.append(s)
+            elif self.append_token(s, t):
+                done.append(s)
+        return done
 
     # -- the engine alone: requests with text (vLLM's LLM in spirit) ----------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:

@@ -71,6 +71,14 @@ class PrefixCache:
         del self._page_of[self._key_of.pop(page)]
         return page
 
+    def discard(self, page: int) -> None:
+        """Forget `page` whatever its references (its content is not to be shared): its holders keep
+        it, and the last one's release returns it to the free pool."""
+        key = self._key_of.pop(page, None)
+        if key is not None:
+            del self._page_of[key]
+            self._evictable.pop(page, None)
+
     def clear(self) -> list[int]:
         """Drop every evictable page (returns them); referenced pages stay cached."""
         pages = []

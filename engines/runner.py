@@ -20,9 +20,14 @@ from engines.cuda_graph import DECODE_BUCKETS, StepGraphs
 from engines.devices import LayerSlice, StageKV, host_tensor, split_layers
 from engines.kv_cache import KVPool
 from engines.model import AttnContext, CausalLM, rope_cache, signed_sin
-from engines.sampling import sample, sample_batched
+from engines.sampling import nonfinite_rows, sample, sample_batched
 from engines.sequence import Sequence
 from engines.streams import StreamFactory
+
+
+# Test-only (Engine.set_fault_hook): called with a step's sampled sequences and their logits [B, V]
+# before sampling; it may raise (a failing step) or write NaN/inf into rows (a broken sequence).
+StepFaultHook = Callable[[list[Sequence], torch.Tensor], None]
 
 
 class ScheduledSeq(NamedTuple):
@@ -38,6 +43,7 @@ class ForwardOutput(NamedTuple):
     # reserved ones too (rows = vocab + reserved; see Engine.reserve_output_rows)
     next_tokens: list[int]  # [B] sampled with each sequence's SamplingParams
     hidden: torch.Tensor | None  # [B, hidden] final-normed last hidden state, when asked for
+    bad_rows: tuple[int, ...] = ()  # rows whose logits hold NaN/inf: placeholder tokens, the sequence must fail
 
 
 class Stage(NamedTuple):
@@ -99,6 +105,7 @@ class ModelRunner:
         # called before each layer of a CPU step, in the stepping thread (an owner sharing the
         # cores between models adjusts this thread's intra-op threads there); None: nothing
         self.layer_hook: Callable[[], None] | None = None
+        self.fault_hook: StepFaultHook | None = None
         if self.cuda and ecfg.cuda_graphs and len(devices) == 1:
             self.capture_graphs()
 
@@ -205,18 +212,23 @@ class ModelRunner:
                 return ForwardOutput([], torch.empty(0, self.cfg.vocab_size), [], None)
             last = hidden[host_tensor(rows, torch.int64, hidden.device)]  # [B, hidden]
             logits = self.model.compute_logits(last)  # [B, vocab] fp32
+            if self.fault_hook is not None:
+                self.fault_hook(seqs, logits)
             params, gens, V = [s.sampling for s in seqs], [s.generator for s in seqs], self.sample_vocab
+            bad = nonfinite_rows(logits[:, :V])  # [B] bool: those sequences fail alone, the rest commit
             if not self.cuda:
                 tokens = sample(logits[:, :V], params, gens)
-                return ForwardOutput(seqs, logits, tokens.tolist(), last.float() if want_hidden else None)
+                return ForwardOutput(seqs, logits, tokens.tolist(), last.float() if want_hidden else None,
+                                     tuple(bad.nonzero().flatten().tolist()))
             tokens = sample_batched(logits[:, :V], params, gens)
             # the step's only wait: copies into pinned memory, then one event, waited on in this thread
-            host = [t.to("cpu", non_blocking=True) for t in (tokens, logits, last.float() if want_hidden else None)
+            host = [t.to("cpu", non_blocking=True) for t in (tokens, logits, bad, last.float() if want_hidden else None)
                     if t is not None]
             done = torch.cuda.Event()
             done.record(self.streams[-1])
         done.synchronize()
-        return ForwardOutput(seqs, host[1], host[0].tolist(), host[2] if want_hidden else None)
+        return ForwardOutput(seqs, host[1], host[0].tolist(), host[3] if want_hidden else None,
+                             tuple(host[2].nonzero().flatten().tolist()))
 
 
 def _with_layers(cfg: ModelConfig, n: int) -> ModelConfig:

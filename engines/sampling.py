@@ -50,14 +50,32 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> [B] bool: the rows holding a NaN or an infinity. A model's raw logits are
+    finite, so such a row means that sequence's forward broke (an overflow, a bad KV page)."""
+    return ~torch.isfinite(logits).all(dim=-1)
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with every non-finite row set to zeros. Left as they are, one NaN row makes
+    `multinomial` raise (failing the whole batch) and argmax return an arbitrary id; a zero row
+    draws an id inside the vocabulary, a placeholder the caller discards (the runner reports the
+    rows, `ForwardOutput.bad_rows`, and the sequence fails alone)."""
+    bad = nonfinite_rows(logits)  # [B]
+    if logits.device.type == "cpu" and not bool(bad.any()):  # the usual case, and free to ask on the host
+        return logits
+    return logits.masked_fill(bad[:, None], 0.0)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
-    """logits [B, V] (any float dtype) -> token ids [B] (int64).
+    """logits [B, V] (any float dtype) -> token ids [B] (int64), each in [0, V).
 
     Greedy rows take argmax (ties go to the lowest id, as HF does). Other rows are filtered
     (top-k, top-p, min-p) on the temperature-scaled distribution and drawn with the
     request's own generator when it has a seed, so a seeded request samples the same
-    tokens whatever batch it lands in.
+    tokens whatever batch it lands in. A row with NaN or inf draws a placeholder (`_finite`).
     """
+    logits = _finite(logits)
     out = torch.argmax(logits, dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
@@ -98,7 +116,9 @@ def sample_batched(logits: torch.Tensor, params: list[SamplingParams],
     Same distribution as `sample` (same filters, in the same order), drawn as an exponential race:
     argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability p_i. A seeded request
     draws its E on the CPU from its own generator (its Sequence's CPU generator), so its tokens do
-    not depend on the batch; the others use the device's generator. Ran on CPU in tests only."""
+    not depend on the batch; the others use the device's generator. Ran on CPU in tests only.
+    A row with NaN or inf draws a placeholder in [0, V) (`_finite`)."""
+    logits = _finite(logits)
     out = torch.argmax(logits, dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:

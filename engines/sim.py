@@ -9,8 +9,8 @@ import torch
 
 from engines.config import EngineConfig, ModelConfig
 from engines.engine import Engine
-from engines.runner import ForwardOutput, ScheduledSeq
-from engines.sampling import sample
+from engines.runner import ForwardOutput, ScheduledSeq, StepFaultHook
+from engines.sampling import nonfinite_rows, sample
 
 
 class ByteTokenizer:
@@ -36,6 +36,7 @@ class SimRunner:
     def __init__(self, cfg: ModelConfig, latency_a: float, latency_c: float, token_seed: int):
         self.cfg, self.a, self.c, self.token_seed = cfg, latency_a, latency_c, token_seed
         self.num_batches = 0
+        self.fault_hook: StepFaultHook | None = None  # test-only, as ModelRunner's
 
     def latency(self, batch_size: int) -> float:
         return self.a + self.c * batch_size
@@ -55,6 +56,8 @@ class SimRunner:
         seqs = [s for s, n in batch if s.num_computed_tokens + n == len(s.token_ids)]
         logits = torch.stack([self.next_logits(s.token_ids, len(s.token_ids)) for s in seqs]) if seqs \
             else torch.empty(0, self.cfg.vocab_size)
+        if self.fault_hook is not None and seqs:
+            self.fault_hook(seqs, logits)
         tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs]).tolist() if seqs else []
         hidden = torch.zeros(len(seqs), self.cfg.hidden_size) if want_hidden else None
         self.num_batches += 1
@@ -62,7 +65,7 @@ class SimRunner:
         rest = self.latency(len(batch)) - (time.perf_counter() - t0)
         if rest > 0:
             time.sleep(rest)
-        return ForwardOutput(seqs, logits, tokens, hidden)
+        return ForwardOutput(seqs, logits, tokens, hidden, tuple(nonfinite_rows(logits).nonzero().flatten().tolist()))
 
 
 class SimEngine(Engine):

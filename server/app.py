@@ -67,6 +67,7 @@ class Server:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         return app
 
     # -- middlewares ---------------------------------------------------------------------------
@@ -107,6 +108,13 @@ class Server:
     async def metrics(self, request: web.Request) -> web.Response:
         body, ctype = render_metrics(self.router, self)
         return web.Response(body=body, headers={"Content-Type": ctype})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """Give back the KV pages only the prefix cache holds (as vLLM's endpoint of this name):
+        what is still in use afterwards is held by requests, or leaked."""
+        if not self.ready:
+            raise ApiError(503, "not ready", "unavailable")
+        return web.json_response({"pages_freed": self.router.reset_prefix_cache()})
 
     # -- generation ----------------------------------------------------------------------------
     async def _body(self, request: web.Request, schema):

@@ -97,6 +97,9 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
                     help="when each model launches a step: delayed batching, eager (async), step-sync")
     ap.add_argument("--max-concurrency", type=int, default=64, help="requests decoded at once")
     ap.add_argument("--kv-memory-gb", type=float, default=2.0, help="KV cache memory, split between the models")
+    ap.add_argument("--inject-faults", metavar="PLAN.json",
+                    help="TEST ONLY: requests whose prompt starts with a marker of this plan fail on purpose "
+                         "(aiorouter/faults.py; what bench/soak.py drives). Off by default; never in production")
     ap.add_argument("--threads", metavar="N|NAME=N,...",
                     help="CPU intra-op threads per model worker (default: the heaviest model gets every core, "
                          "the others share)")
@@ -112,7 +115,15 @@ def router_kwargs(args) -> dict[str, object]:
         policy_args = dict(DEFAULT_POLICY_ARGS)  # what the default pair is tuned for
     return dict(models=models, policy=args.policy, policy_args=policy_args, entry=args.entry,
                 device=args.device, mode=args.mode, max_concurrency=args.max_concurrency,
-                kv_memory_gb=args.kv_memory_gb, threads=parse_threads(args.threads))
+                kv_memory_gb=args.kv_memory_gb, threads=parse_threads(args.threads),
+                faults=parse_faults(args.inject_faults))
+
+
+def parse_faults(path: str | None):
+    if not path:
+        return None
+    from aiorouter.faults import FaultPlan
+    return FaultPlan.load(path)
 
 
 def parse_threads(text: str | None) -> int | dict[str, int] | None:

@@ -27,8 +27,8 @@ KEY = "sk-test"
 
 
 @contextlib.asynccontextmanager
-async def running_server(models, policy="random", policy_args=None, ready=True, **cfg):
-    router = Router(models, policy=policy, policy_args=policy_args, kv_memory_gb=0.05)
+async def running_server(models, policy="random", policy_args=None, ready=True, faults=None, **cfg):
+    router = Router(models, policy=policy, policy_args=policy_args, kv_memory_gb=0.05, faults=faults)
     server = Server(router, ServerConfig(**cfg))
     runner = web.AppRunner(server.app(), handler_cancellation=True)
     await runner.setup()

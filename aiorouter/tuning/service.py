@@ -51,6 +51,16 @@ class TuningService:
                      ", ".join(f"b={b}: {t * 1e3:.2f} ms" for b, t in lat.items()), fit.a * 1e3, fit.c * 1e3)
         self._task = asyncio.get_running_loop().create_task(self._solve_initial(lats))
 
+    @property
+    def solved(self) -> bool:
+        """The start-up solve has ended (its table applied, or failed and left every threshold at 1)."""
+        return self._task is not None and self._task.done()
+
+    @property
+    def resolving(self) -> bool:
+        """A drift re-solve is running (one event-loop task at most; its solve runs in a worker thread)."""
+        return self._resolving is not None
+
     def _build_tuner(self, lats: list[LatencyModel]) -> Tuner:
         """(thread) Pick delta from the state budget, then solve the table for N = 1..cap."""
         P, C = self.template

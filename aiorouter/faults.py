@@ -1,0 +1,106 @@
+"""Test-only fault injection: requests that fail on purpose, so that tests and the soak
+(`bench/soak.py`) can show that a failure inside the runtime fails the requests it touches and
+nothing else, and leaks nothing.
+
+A `FaultPlan` maps a fault kind to a marker, a run of token ids that a prompt starts with. A request
+whose prompt starts with kind K's marker meets fault K at the first step that samples its output
+token number `after` (counting from 0), so a stream has some tokens out before it breaks:
+
+- "step": the model step that samples for it raises (on whichever model that is);
+- "nan": its row of logits is all NaN; "inf": its row gets a +inf (the rest of the batch is untouched);
+- "route" / "send" / "receive": the policy's route (for the batch that holds the request), send or
+  receive (for the request) raises.
+
+The faults go in through the hooks that the engine (`Engine.set_fault_hook`) and the policies
+(`Policy.set_fault_hook`) expose, never by patching a live object. A router has none unless it is
+given a plan (`Router(faults=...)`, `aiorouter serve --inject-faults PLAN.json`): never in production.
+The client that sent a marked request knows it meant it to fail, so tests and the soak tell the
+failures they caused from the ones they did not.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+
+from engines import Sequence as EngineSeq
+from policies.base import ReqView
+
+STEP_KINDS = ("step", "nan", "inf")
+POLICY_KINDS = ("route", "send", "receive")
+KINDS = STEP_KINDS + POLICY_KINDS
+
+
+class InjectedFault(RuntimeError):
+    """A failure caused on purpose by a `FaultPlan`."""
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    markers: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # kind -> prompt prefix
+    after: int = 2  # output tokens a marked request commits before its fault fires
+
+    def __post_init__(self) -> None:
+        markers = {}
+        for kind, ids in dict(self.markers).items():
+            if kind not in KINDS:
+                raise ValueError(f"fault plan: unknown fault kind {kind!r}; kinds: {', '.join(KINDS)}")
+            if not ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+                raise ValueError(f"fault plan: the marker of {kind!r} must be a non-empty list of token ids, got {ids!r}")
+            markers[kind] = tuple(ids)
+        for a, ma in markers.items():
+            for b, mb in markers.items():
+                if a != b and mb[:len(ma)] == ma:
+                    raise ValueError(f"fault plan: the marker of {a!r} starts the marker of {b!r}; "
+                                     "a prompt must name one fault")
+        if not isinstance(self.after, int) or self.after < 0:
+            raise ValueError(f"fault plan: after must be an integer >= 0, got {self.after!r}")
+        object.__setattr__(self, "markers", markers)
+
+    @classmethod
+    def load(cls, source: str | Path) -> "FaultPlan":
+        """A plan from a JSON file: {"markers": {"step": [49100, 49101], ...}, "after": 2}."""
+        path = Path(source)
+        try:
+            raw = json.loads(path.read_text())
+        except OSError as e:
+            raise ValueError(f"fault plan {str(path)!r}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"fault plan {str(path)!r} is not valid JSON: {e}") from None
+        if not isinstance(raw, dict) or set(raw) - {"markers", "after"} or not isinstance(raw.get("markers"), dict):
+            raise ValueError(f"fault plan {str(path)!r} must be an object with 'markers' (kind -> token ids) "
+                             "and optionally 'after'")
+        return cls(raw["markers"], raw.get("after", 2))
+
+    def to_json(self) -> str:
+        return json.dumps({"markers": {k: list(v) for k, v in self.markers.items()}, "after": self.after})
+
+    def kind_of(self, token_ids: Sequence[int], num_prompt_tokens: int) -> str | None:
+        """The fault a request meets now (its prompt's marker, once `after` tokens are out), or None."""
+        if len(token_ids) - num_prompt_tokens < self.after:
+            return None
+        for kind, m in self.markers.items():
+            if len(m) <= num_prompt_tokens and tuple(token_ids[:len(m)]) == m:
+                return kind
+        return None
+
+    # -- the hooks ---------------------------------------------------------------------------------
+    def on_step(self, seqs: list[EngineSeq], logits: torch.Tensor) -> None:
+        """Engine fault hook: logits [B, V] of the step's sampled sequences, before sampling."""
+        for row, seq in enumerate(seqs):
+            kind = self.kind_of(seq.token_ids, seq.num_prompt_tokens)
+            if kind == "step":
+                raise InjectedFault("injected step fault: the model step raised (test-only fault plan)")
+            if kind == "nan":
+                logits[row] = float("nan")
+            elif kind == "inf":
+                logits[row, seq.token_ids[-1] % logits.shape[-1]] = float("inf")
+
+    def on_policy(self, stage: str, reqs: Sequence[ReqView]) -> None:
+        """Policy fault hook: raises in `stage` when one of `reqs` is marked for it."""
+        for r in reqs:
+            if self.kind_of(r.token_ids, r.num_prompt_tokens) == stage:
+                raise InjectedFault(f"injected {stage} fault for request {r.rid} (test-only fault plan)")
