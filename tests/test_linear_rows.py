@@ -1,0 +1,31 @@
+"""oneDNN linear calls run at bucketed row counts (engines.model.bucket_rows): a bounded set of
+shapes per weight, so oneDNN's per-shape primitive cache stops growing, with the same outputs."""
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from engines.model import Linear, bucket_rows
+
+
+@given(st.integers(1, 8192))
+def test_bucket_covers_and_bounds_the_padding(t):
+    b = bucket_rows(t)
+    assert b >= t
+    assert b == t if t <= 32 else (b < 2 * t if t <= 256 else b - t < 256)
+
+
+def test_few_row_counts_for_every_prompt_length():
+    assert len({bucket_rows(t) for t in range(1, 2049)}) == 32 + 2 + 2048 // 256
+
+
+@pytest.mark.parametrize("t", [1, 7, 33, 100, 257, 700])
+def test_packed_linear_on_padded_rows_equals_the_dense_one(t):
+    torch.manual_seed(0)
+    lin = Linear(64, 96)
+    x = torch.randn(t, 64)  # [T, in]
+    want = lin(x)
+    if not lin.pack():
+        pytest.skip("no oneDNN on this torch build")
+    got = lin(x)
+    assert got.shape == (t, 96)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
