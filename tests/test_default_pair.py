@@ -18,7 +18,6 @@ from engines.default_model import MARKER, default_pair
 from engines.quant import CONFIG_KEY
 
 
-
 @pytest.fixture(scope="module")
 def engines() -> dict[str, Engine]:
     return {name: Engine(path) for name, path in default_pair().items()}
