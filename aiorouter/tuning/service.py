@@ -14,7 +14,8 @@ from typing import Awaitable, Callable, Sequence
 import numpy as np
 
 from .latency import LatencyModel, fit_latency
-from .online import Tuner, TunerConfig, TuningCancelled
+from .online import TuningCancelled
+from .tuner import Tuner, TunerConfig
 from .quantum import choose_delta
 
 log = logging.getLogger("aiorouter")
