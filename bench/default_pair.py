@@ -14,7 +14,7 @@ how well it agrees with the large model, and how the pair routes and answers, in
    "equally correct": the pair's answer contains an expected keyword exactly when the large
    model's does.
 
-    python bench/default_pair.py [--rounds 3] [--taus 0.1,0.15,0.2,0.25,0.3,0.4] [--quick]
+    python bench/default_pair.py [--rounds 3] [--taus 0.1,0.2,0.25,0.275,0.3,0.35,0.4] [--quick]
 """
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="step-cost rounds (medians over them)")
     ap.add_argument("--steps", type=int, default=12, help="decode steps per step-cost sample")
     ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--taus", default="0.1,0.15,0.2,0.25,0.3,0.4", help="rstitch thresholds to sweep")
+    ap.add_argument("--taus", default="0.1,0.2,0.25,0.275,0.3,0.35,0.4", help="rstitch thresholds to sweep")
     ap.add_argument("--random-p", type=float, default=0.35, help="also route with `random` at this p (0: skip)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--quick", action="store_true", help="int4 and int8 only, one round, two taus")

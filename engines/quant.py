@@ -5,6 +5,11 @@ output head; the embedding table stays dense (a step reads one row of it per tok
 - "int4": asymmetric groups of 32 inputs, GGUF Q4_1's grid (w = q * d + min, q in [0, 15]),
   in torch's tinygemm layout (w = (q - 8) * d + zero, zero = min + 8 d). A Q4_1 GGUF
   de-quantized to floats re-quantizes onto exactly its own grid (SmolLM2: max error 0.0).
+  On CPU the layer also keeps a bf16 copy of the same weights for steps of more than
+  INT4_MAX_ROWS rows (2.5 bytes per weight in all, against fp32's 4): at batch 16 the int4
+  kernel costs more than fp32. int8 activations (fbgemm's VNNI GEMM, 2x cheaper still) were
+  tried for those rows and dropped: greedy top-1 agreement with the fp32 model fell from
+  97.6% to 83% (bench/RESULTS.md, "The default pair").
 - "int8": symmetric, one scale per output channel.
 The head is W8A8 on CPU (int8 weights per channel, int8 activations per token, torch._int_mm)
 in both: SmolLM2's head is Q8_0 in its GGUF, off any 4-bit grid (an int4 head dropped greedy
@@ -29,6 +34,7 @@ from torch import nn
 from engines.quant_formats import (
     COMPUTE_DTYPE,
     check_shape,
+    dequantize_int4,
     int4_cuda_bytes,
     int4_inner_k_tiles,
     int4_scales_and_zeros,
@@ -41,6 +47,14 @@ SCHEMES: dict[str, tuple[str, str | None]] = {"int4": ("int4", "w8a8"), "int8": 
 QUANTIZATIONS = tuple(SCHEMES)
 CONFIG_KEY = "aiorouter_quantization"  # config.json key of a checkpoint that asks to be loaded quantized
 _aten = torch.ops.aten
+_onednn_linear = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)
+# Above this many rows an int4 CPU layer runs a bf16 copy of its de-quantized weight in oneDNN
+# (packed as engines.model.Linear packs its weights; AVX512-BF16 dot products). At 1 row a step is
+# memory-bound and the int4 kernel reads a quarter of bf16's bytes; with more rows it turns
+# compute-bound, and the int4 kernel, which decodes each weight group again per 4 rows, falls
+# behind. A step's linears (bench/quant_kernels.py, 1 thread, busy machine): int4 kernel / bf16 =
+# 11 / 60 ms at 1 row, 45 / 72 at 4, 81 / 72 at 8, 148 / 96 at 16 (fp32: 103 at 1, 149 at 16).
+INT4_MAX_ROWS = 6
 
 
 def check_quantization(quantization: str | None) -> str | None:
@@ -73,6 +87,7 @@ class QuantLinear(nn.Module):
         check_shape(method, N, K, dev, group_size)
         self.method, self.group_size, self.in_features, self.out_features = method, group_size, K, N
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.wide: torch.Tensor | None = None  # int4 on CPU: a bf16 oneDNN-packed copy, for > INT4_MAX_ROWS rows
         if method == "int4":
             q, scale, zero = quantize_int4(weight, group_size)
             if dev.type == "cuda":
@@ -81,10 +96,13 @@ class QuantLinear(nn.Module):
                 packed = _aten._convert_weight_to_int4pack_for_cpu(q, 2)  # [N, K/2] uint8, blocked
             self.register_buffer("qweight", packed)
             self.register_buffer("scales", int4_scales_and_zeros(scale, zero))  # [K/g, N, 2] bf16
+            if dev.type == "cpu":  # the same weights, as the kernel reads them (bf16 scales and zeros)
+                self.wide = _packed_bf16(dequantize_int4(q, scale.to(COMPUTE_DTYPE), zero.to(COMPUTE_DTYPE)))
         else:
             q, s = quantize_int8(weight)
             # int8 reads [N, K] rows; _int_mm takes [K, N], and the transposed view is what oneDNN wants
-            self.register_buffer("qweight", q if method == "int8" else q.t())
+            # (except at K = 1, where torch 2.13's _int_mm misreads that view's strides: wrong sums)
+            self.register_buffer("qweight", q if method == "int8" else q.t() if K > 1 else q.reshape(1, N))
             self.register_buffer("scales", s.to(COMPUTE_DTYPE) if method == "int8" else s)  # [N]
         self._placed = (self.qweight.device, self.scales.dtype)
 
@@ -102,6 +120,8 @@ class QuantLinear(nn.Module):
             xs = xf.abs().amax(-1, keepdim=True).clamp_min_(1e-12).div_(127)  # [T, 1]
             acc = torch._int_mm(xf.div(xs).round_().to(torch.int8), self.qweight)  # [T, N] int32, exact
             out = acc.float().mul_(xs).mul_(self.scales).to(x.dtype)
+        elif self.wide is not None and x.shape[0] > INT4_MAX_ROWS:
+            out = _onednn_linear(x.to(COMPUTE_DTYPE), self.wide, None, "none", [], "").to(x.dtype)
         else:
             a = x.to(COMPUTE_DTYPE)
             if not a.is_contiguous() or a.data_ptr() % 64:  # the kernels load whole aligned rows
@@ -118,6 +138,14 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.method == "int4" else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.method}{g}"
+
+
+def _packed_bf16(w: torch.Tensor) -> torch.Tensor | None:
+    """w [N, K] -> w rounded to bf16 in oneDNN's blocked layout; None where oneDNN has no bf16
+    (the int4 kernel then takes every row count)."""
+    if _onednn_linear is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(w.to(COMPUTE_DTYPE).contiguous(), None)
 
 
 def quantize_model(model: nn.Module, scheme: str, group_size: int = 32) -> int:

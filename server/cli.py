@@ -39,8 +39,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def parse_models(items: list[str] | None) -> dict[str, ModelSpec]:
-    """NAME=PATH, or NAME=sim:LATENCY_MS[:SLOPE_MS] for a weightless simulated model."""
+    """NAME=PATH[:QUANT] (QUANT: int4 or int8, engines/quant.py), or NAME=sim:LATENCY_MS[:SLOPE_MS]
+    for a weightless simulated model."""
     from aiorouter import ModelSpec, default_models
+    from engines.quant import QUANTIZATIONS
     if not items:
         return dict(default_models())
     models: dict[str, ModelSpec] = {}
@@ -61,9 +63,16 @@ def parse_models(items: list[str] | None) -> dict[str, ModelSpec]:
             models[name] = ModelSpec(engine="sim", latency_ms=nums[0],
                                      latency_slope_ms=nums[1] if len(nums) > 1 else 0.0)
         else:
-            if not Path(value).is_dir():
-                raise CliError(f"--model {name}: {value!r} is not a directory")
-            models[name] = ModelSpec(path=value)
+            path, quant = value, None
+            head, colon, tail = value.rpartition(":")
+            if colon and not Path(value).is_dir():  # a directory whose name has a colon stays a path
+                if tail not in QUANTIZATIONS:
+                    raise CliError(f"--model {name}: unknown quantization {tail!r} in {value!r}; "
+                                   f"use PATH:{' or PATH:'.join(QUANTIZATIONS)}, or PATH alone for the checkpoint's own")
+                path, quant = head, tail
+            if not Path(path).is_dir():
+                raise CliError(f"--model {name}: {path!r} is not a directory")
+            models[name] = ModelSpec(path=path, quantization=quant)
     return models
 
 
@@ -81,8 +90,9 @@ def parse_policy_args(items: list[str] | None) -> dict[str, object]:
 
 
 def add_router_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", action="append", metavar="NAME=PATH",
-                    help="a cooperating model: a HF model directory, or sim:LATENCY_MS[:SLOPE_MS] for a weightless "
+    ap.add_argument("--model", action="append", metavar="NAME=PATH[:int4|:int8]",
+                    help="a cooperating model: a HF model directory, optionally :int4 or :int8 to load its linear "
+                         "layers quantized, or sim:LATENCY_MS[:SLOPE_MS] for a weightless "
                          "simulated one; repeat for each (default: the embedded SmolLM2 pair, "
                          "aiorouter.default_models())")
     ap.add_argument("--policy", default=DEFAULT_POLICY,

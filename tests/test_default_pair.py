@@ -10,14 +10,12 @@ import os
 
 import pytest
 
-from aiorouter import Router
+from aiorouter import DEFAULT_POLICY, DEFAULT_POLICY_ARGS, Router, default_models
 from aiorouter.cpu_threads import plan_threads
 from bench.default_pair import FACTUAL_QUESTIONS, correct
 from engines import Engine
 from engines.default_model import MARKER, default_pair
 from engines.quant import CONFIG_KEY
-
-TAU = 0.25  # the rstitch threshold bench/default_pair.py picked (bench/RESULTS.md, "The default pair")
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +32,13 @@ def test_small_model_dir_shares_the_large_weights_and_asks_for_int4():
     assert link.is_symlink() and link.resolve() == (large / "model.safetensors").resolve()
     assert not os.path.isabs(os.readlink(link))  # relative: the cache folder may move whole
     assert default_pair() == pair  # built once, then found
+
+
+def test_default_models_name_the_pair_through_the_public_spec():
+    specs, pair = default_models(), default_pair()
+    assert (specs["large"].path, specs["large"].quantization) == (str(pair["large"]), None)
+    # the same weights loaded int4 (ModelSpec.quantization): what the small directory's config asks for
+    assert (specs["small"].path, specs["small"].quantization) == (str(pair["large"]), "int4")
 
 
 def test_small_engine_is_quantized_and_the_lighter_one(engines):
@@ -54,7 +59,8 @@ def test_default_pair_routes_and_answers_like_the_large_model(engines):
             return await asyncio.gather(*(r.generate([{"role": "user", "content": q}], max_tokens=16, temperature=0.0)
                                           for q, _ in questions))
 
-    routed = asyncio.run(ask(engines, "rstitch", {"tau": TAU}))
+    # the policy and threshold bench/default_pair.py picked (bench/RESULTS.md, "The default pair")
+    routed = asyncio.run(ask(engines, DEFAULT_POLICY, dict(DEFAULT_POLICY_ARGS)))
     alone = asyncio.run(ask({"large": engines["large"]}, "single", {}))
     small = sum(r.usage["per_model"]["small"] for r in routed)
     large = sum(r.usage["per_model"]["large"] for r in routed)
