@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engines.onednn_rows import onednn_rows
 from engines.quant_formats import (
     COMPUTE_DTYPE,
     check_shape,
@@ -121,7 +122,8 @@ class QuantLinear(nn.Module):
             acc = torch._int_mm(xf.div(xs).round_().to(torch.int8), self.qweight)  # [T, N] int32, exact
             out = acc.float().mul_(xs).mul_(self.scales).to(x.dtype)
         elif self.wide is not None and x.shape[0] > INT4_MAX_ROWS:
-            out = _onednn_linear(x.to(COMPUTE_DTYPE), self.wide, None, "none", [], "").to(x.dtype)
+            out = onednn_rows(x.to(COMPUTE_DTYPE),
+                              lambda v: _onednn_linear(v, self.wide, None, "none", [], "")).to(x.dtype)
         else:
             a = x.to(COMPUTE_DTYPE)
             if not a.is_contiguous() or a.data_ptr() % 64:  # the kernels load whole aligned rows

@@ -2,9 +2,11 @@
 shapes per weight, so oneDNN's per-shape primitive cache stops growing, with the same outputs."""
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from engines.model import Linear, bucket_rows
+from engines.model import Linear
+from engines.onednn_rows import bucket_rows
 
 
 @given(st.integers(1, 8192))
