@@ -109,7 +109,7 @@ class Router:
         if self.tuning is not None:
             from engines.profile import profile_decode_latency
             await self.tuning.start([lambda sizes, s=s: s.in_worker(profile_decode_latency, s.engine, sizes)
-                                     for s in self.subservers])
+                                     for s in self.subservers], lambda cap: self._profile_contention(cap, threads))
         self._tasks = [asyncio.create_task(s.run(), name=f"aiorouter-{s.name}") for s in self.subservers]
         for t in self._tasks:
             t.add_done_callback(self._on_task_done)
@@ -144,7 +144,21 @@ class Router:
             return None
         from aiorouter.tuning.service import TuningService
         return TuningService(self.names, template, self.max_concurrency, self.tune_concurrency,
-                             self._launch.set_thresholds)
+                             self._launch.set_schedule)
+
+    async def _profile_contention(self, cap: int, threads: list[int]) -> list:
+        """How much the models slow each other (engines.profile.profile_contention), measured in
+        their own workers with the core lending they serve with, before serving starts; cached
+        by checkpoint files and device under $AIOROUTER_CACHE/contention. Sim engines: none."""
+        from engines.default_model import cache_dir
+        from engines.profile import contention_pairs, profile_contention
+        engines = [s.engine for s in self.subservers]
+        heavy = max(range(len(engines)), key=lambda i: (engines[i].num_params, -i))
+        share = self._core_share
+        return await asyncio.to_thread(profile_contention, engines, contention_pairs(len(engines), cap, heavy),
+                                       threads=threads, executors=[s.executor for s in self.subservers],
+                                       wrap=share.step_fn if share is not None else None,
+                                       cache_dir=cache_dir() / "contention")
 
     def _intra_op_threads(self, engines) -> list[int]:
         """Intra-op threads of each model's worker (CPU only; on GPU the worker just launches kernels)."""
@@ -206,6 +220,11 @@ class Router:
     def thresholds(self, n: int) -> dict[str, int]:
         """The delayed-batching threshold of each model at concurrency n (B = 1 until tuning is done)."""
         return dict(zip(self.names, self._launch.thresholds_at(n)))
+
+    def schedule(self, n: int) -> str:
+        """The schedule run at concurrency n: the router's mode, or in `delayed` mode with tuned
+        thresholds the one the throughput model predicts best there ("delayed", "eager" or "sync")."""
+        return self._launch.mode_at(n)
 
     def dead_tasks(self) -> list[str]:
         """Names of subserver tasks that have stopped (a healthy running router has none)."""
