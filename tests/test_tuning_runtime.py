@@ -175,3 +175,31 @@ def test_drift_resolve_on_sim_engines(policy: RandomPolicy, drifts: bool) -> Non
                 assert svc.resolves == 0 and after == before
 
     asyncio.run(main())
+
+
+def test_contention_is_profiled_at_start_and_cached(tmp_path_factory, monkeypatch) -> None:
+    """Two real (tiny) models on the CPU: the router measures how much they slow each other before
+    it serves, in their own workers, hands that to the tuner, and the next start reads the cache."""
+    from conftest import make_tiny_qwen3
+
+    small = make_tiny_qwen3(tmp_path_factory.mktemp("small"), hidden=64, layers=2)
+    large = make_tiny_qwen3(tmp_path_factory.mktemp("large"), hidden=128, layers=4, seed=1)
+    cache = tmp_path_factory.mktemp("cache")
+    monkeypatch.setenv("AIOROUTER_CACHE", str(cache))
+
+    async def start_once():
+        async with Router({"small": small, "large": large}, policy="random", policy_args={"p": 0.3},
+                          tune_concurrency=2, max_concurrency=4, kv_memory_gb=0.05) as r:
+            res = await r.generate([5, 6, 7], max_tokens=4, ignore_eos=True)
+            assert len(res.token_ids) == 4
+            await r.wait_tuned()
+            svc = r.tuning
+            assert svc.tuner.config.contention == svc.contention
+            assert svc.profile_seconds > 0 and svc.solve_seconds > 0
+            return svc.contention, svc.contention_seconds
+
+    first, took = asyncio.run(start_once())
+    assert len(list((cache / "contention").glob("contention-*.json"))) == 1
+    assert took > 0.05  # two runs of real steps
+    again, took_again = asyncio.run(start_once())
+    assert again == first and took_again < took / 2  # read back, not measured
