@@ -107,8 +107,9 @@ class Router:
                            for i, (n, e, t) in enumerate(zip(self.names, engines, threads))]
         self.metrics.models.update({s.name: s.metrics for s in self.subservers})
         if self.tuning is not None:
-            from engines.profile import profile_decode_latency
-            await self.tuning.start([lambda sizes, s=s: s.in_worker(profile_decode_latency, s.engine, sizes)
+            from engines.profile import profile_dispatched_latency
+            # timed from the loop: the hop to the worker and back is part of every step the chain models
+            await self.tuning.start([lambda sizes, s=s: profile_dispatched_latency(s.engine, s.executor, sizes)
                                      for s in self.subservers], lambda cap: self._profile_contention(cap, threads))
         self._tasks = [asyncio.create_task(s.run(), name=f"aiorouter-{s.name}") for s in self.subservers]
         for t in self._tasks:

@@ -82,6 +82,34 @@ def profile_decode_latency(engine: Engine, batch_sizes: list[int], steps: int = 
     return {b: got[(b, 1)] for b in batch_sizes}
 
 
+async def profile_dispatched_latency(engine: Engine, executor: Executor, batch_sizes: list[int], steps: int = 5,
+                                     prompt_len: int = 32, warmup: int = 1) -> dict[int, float]:
+    """Median seconds of one decode step at each batch size as the runtime dispatches it: timed on
+    the event loop from handing the step to the model's worker (`executor`) to the loop resuming
+    with its result, so the thread hop each way (and any wait for the GIL) counts as step time.
+
+    That hop is a per-step cost the chain would not see in `profile_decode_latency`: on the
+    2-core bench machine under load 5.8, a 6 ms sim step took 6.15 ms inside its worker and
+    6.6-6.9 ms seen from the loop."""
+    import asyncio
+    loop = asyncio.get_running_loop()
+    out: dict[int, float] = {}
+    for b in batch_sizes:
+        batch = await loop.run_in_executor(executor, lambda: _DecodeBatch(engine, b, prompt_len, window=steps + warmup + 1))
+        try:
+            await loop.run_in_executor(executor, batch.prefill)
+            times = []
+            for i in range(steps + warmup):
+                t0 = time.perf_counter()
+                await loop.run_in_executor(executor, batch.step)
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+            out[b] = statistics.median(times)
+        finally:
+            await loop.run_in_executor(executor, batch.close)
+    return out
+
+
 def profile_step_latency(engine: Engine, shapes: Seq[tuple[int, int]], steps: int = 3, prompt_len: int = 32,
                          warmup: int = 1) -> dict[tuple[int, int], float]:
     """Median seconds of one step at each (batch, new tokens per sequence) shape.

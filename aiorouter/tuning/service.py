@@ -43,6 +43,7 @@ class TuningService:
         self.resolve_every = resolve_every
         self.tuner: Tuner | None = None
         self.contention: Contention | None = None
+        self.profiled: dict[str, dict[int, float]] = {}  # per model: batch size -> seconds per decode step
         # start-up cost, reported in the log and here (seconds): decode profile, contention profile, solve
         self.profile_seconds = self.contention_seconds = self.solve_seconds = 0.0
         self.resolves = 0  # re-solves run after drift
@@ -59,7 +60,7 @@ class TuningService:
         sizes = sorted({1, 2, 4, self.cap})
         lats = []
         for name, profile in zip(self.names, profilers):
-            lat = await profile(sizes)
+            lat = self.profiled[name] = await profile(sizes)
             fit = fit_latency(list(lat), list(lat.values()))
             if fit.c * self.cap < 0.05 * fit.a:  # a slope inside the noise only multiplies the chain's states
                 fit = LatencyModel(fit(1), 0.0)
