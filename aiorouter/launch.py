@@ -97,6 +97,13 @@ class LaunchControl:
     # -- state the subservers and the request table report -----------------------------------------
     def set_ready(self, model: int, n: int) -> None:
         self.ready[model] = n
+        if n == 0 and model in self.round:
+            # a member left with nothing to step (its requests were aborted) would hold the round
+            # open forever, the others waiting on it: it leaves the round, and if it was the last
+            # one owed, the round is over
+            self.round.discard(model)
+            if not self.round and self.busy == 0:
+                self.wake_all(but=model)
 
     def set_active(self, n: int) -> None:
         """The active count changed: every threshold, and the schedule, may have changed with it."""

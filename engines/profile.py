@@ -82,7 +82,7 @@ def profile_decode_latency(engine: Engine, batch_sizes: list[int], steps: int = 
     return {b: got[(b, 1)] for b in batch_sizes}
 
 
-async def profile_dispatched_latency(engine: Engine, executor: Executor, batch_sizes: list[int], steps: int = 5,
+async def profile_dispatched_latency(engine: Engine, executor: Executor, batch_sizes: list[int], steps: int = 3,
                                      prompt_len: int = 32, warmup: int = 1) -> dict[int, float]:
     """Median seconds of one decode step at each batch size as the runtime dispatches it: timed on
     the event loop from handing the step to the model's worker (`executor`) to the loop resuming

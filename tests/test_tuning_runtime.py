@@ -203,3 +203,22 @@ def test_contention_is_profiled_at_start_and_cached(tmp_path_factory, monkeypatc
     assert took > 0.05  # two runs of real steps
     again, took_again = asyncio.run(start_once())
     assert again == first and took_again < took / 2  # read back, not measured
+
+
+def test_a_member_left_with_nothing_ready_does_not_hold_the_round() -> None:
+    """Sync round {0, 1}; model 1's only request is aborted before it launches: the round must
+    not wait for it (else model 0's next round never opens and its clients hang)."""
+    for mode in ("sync", "per-N"):
+        lc = LaunchControl("sync", 2, 4) if mode == "sync" else per_n_control()
+        lc.set_active(4)
+        lc.set_ready(0, 1), lc.set_ready(1, 1)
+        assert lc.may_launch(0) and lc.round == {0, 1}
+        lc.started(0)
+        lc.set_ready(0, 0)
+        lc.ended(0)  # the round still owes model 1 its launch: no wakeup yet
+        lc.set_ready(0, 1)
+        assert not lc.may_launch(0)
+        inbox_wakes(lc, 0)
+        lc.set_ready(1, 0)  # model 1 handled the Release of its aborted request
+        assert lc.round == set() and inbox_wakes(lc, 0) == 1
+        assert lc.may_launch(0)
