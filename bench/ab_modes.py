@@ -3,9 +3,9 @@
     python -m bench.ab_modes --before DIR [--rounds 3] [--concurrency 1,4,8,16] [--tokens 64]
                              [--requests-per-client 2] [--name redesign_modes]
 
-Each round runs `python -m bench.modes` in the `--before` checkout and in this one, in alternating
-order (ABBA...), so drift on a shared machine hits both alike. Every run reads its own checkout's
-code and writes its own bench/results/modes.json, which is read back. Writes
+Each round runs bench/ab_client.py (the modes benchmark as it stood before the redesign, reduced to
+the public API both checkouts share) against the `--before` checkout's runtime and against this
+one's, in alternating order (ABBA...), so drift on a shared machine hits both alike. Writes
 bench/results/NAME.json: every run's tok/s and, per mode@N, the median ratio this/before.
 """
 from __future__ import annotations
@@ -22,12 +22,12 @@ from bench.common import ROOT, write_json
 
 
 def run_modes(tree: Path, args) -> dict[str, float]:
+    """One run of bench/ab_client.py (this checkout's file) against `tree`'s runtime."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, "-m", "bench.modes", "--concurrency", args.concurrency, "--tokens", str(args.tokens),
-           "--requests-per-client", str(args.requests_per_client)]
-    subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
-    rows = json.loads((tree / "bench" / "results" / "modes.json").read_text())["results"]
-    return {k: v["tok_s"] for k, v in rows.items()}
+    cmd = [sys.executable, str(ROOT / "bench" / "ab_client.py"), "--concurrency", args.concurrency,
+           "--tokens", str(args.tokens), "--requests-per-client", str(args.requests_per_client)]
+    done = subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.PIPE, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None) -> int:

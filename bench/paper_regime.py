@@ -263,6 +263,9 @@ async def run_one(pair: Pair, system: str, wl: W.Workload, n: int, total: int, h
            "wall_s": time.perf_counter() - t0, "load_avg": [load0, os.getloadavg()]}
     if pair.engine == "sim" and system == "aiorouter-delayed":
         row["dtmc_tokens_per_s"] = pair.notes["dtmc"]["by_N"][n]["tokens_per_s"]
+        # no system beats this: every token takes a small step and, with probability p, a large
+        # one after it, each at least L(1); N requests at that pace with no wait at all
+        row["ceiling_tokens_per_s"] = n * 1000 / (SIM_MS["small"] + POLICY_ARGS["p"] * SIM_MS["large"])
     gc.collect()
     return row
 

@@ -56,8 +56,15 @@ def analyse(runs: list[dict]) -> dict:
     L = lows[0] if lows else None
     if L is not None:
         k = lambda n, s: ("sim", "sim", "low-effort", L, n, s)
+        d4, s4 = ix.get(k(4, "aiorouter-delayed")), ix.get(k(4, "std-serving-http"))
+        bound = ""
+        if d4 and s4 and d4.get("ceiling_tokens_per_s"):
+            bound = (f"bound: the throughput model's optimum {d4['dtmc_tokens_per_s']:.0f} tok/s = "
+                     f"{d4['dtmc_tokens_per_s'] / s4['tokens_per_s']:.2f}x; any system, no waits, "
+                     f"{d4['ceiling_tokens_per_s']:.0f} tok/s = {d4['ceiling_tokens_per_s'] / s4['tokens_per_s']:.2f}x")
         targets.append(_target(f"sim low-effort@{L}: delayed / Std HTTP, N=4", _ratio(ix, k(4, "aiorouter-delayed"),
-                                                                                    k(4, "std-serving-http")), 3.0))
+                                                                                    k(4, "std-serving-http")), 3.0,
+                               note=bound))
         targets.append(_target(f"sim low-effort@{L}: delayed N=16 / N=1", _ratio(ix, k(16, "aiorouter-delayed"),
                                                                                k(1, "aiorouter-delayed")), 8.0))
         u1, u16 = ix.get(k(1, "aiorouter-delayed")), ix.get(k(16, "aiorouter-delayed"))
@@ -116,10 +123,15 @@ def _span(s, fmt="{:.2f}", unit="") -> str:
 
 def tables(data: dict) -> str:
     ix = index(data["runs"])
-    m = data["machine"]
-    out = [f"Machine: {m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')}; commit `{str(m.get('commit'))[:10]}`; "
-           f"{'quick' if data['config']['quick'] else 'full'} run of {len(data['runs'])} runs in "
-           f"{data.get('duration_s', 0) / 60:.1f} min; load average {_load(m.get('load_avg_start'))} at start, "
+    m, prev = data["machine"], data.get("resumed_from")
+    # a resumed sweep holds runs of two sessions (or more: resumed_from is the last one's machine)
+    runs_s = sum(r.get("wall_s", 0.0) for r in data["runs"])
+    kind = f"{'quick' if data['config']['quick'] else 'full'} run" + (", partial" if data.get("partial") else "")
+    took = f"{data['duration_s'] / 60:.1f} min" if data.get("duration_s") else f"{runs_s / 60:.1f} min of runs"
+    out = [f"Machine: {m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')}; commit `{str(m.get('commit'))[:10]}`"
+           + (f" (resuming runs made on `{str(prev.get('commit'))[:10]}`, load average {_load(prev.get('load_avg_start'))} "
+              f"at start, {_load(prev.get('load_avg_end'))} at end)" if prev else "")
+           + f"; {kind} of {len(data['runs'])} runs in {took}; load average {_load(m.get('load_avg_start'))} at start, "
            f"{_load(m.get('load_avg_end'))} at end. Policy random p = 0.35 everywhere; sim steps "
            f"{data['config']['sim_step_ms']} ms, slope {data['config']['sim_slope_ms']} ms per sequence.", ""]
     out += ["### Targets", "", "| target | measured | goal | met? | note |", "|---|---:|---:|---|---|"]
@@ -145,7 +157,7 @@ def tables(data: dict) -> str:
     systems = [s for s in SHORT if any(k[5] == s for k in ix)]
     for engine, pair, wl, L in sorted({k[:4] for k in ix}, key=lambda k: (k[0] != "sim", k[1], k[2], k[3])):
         desc = data.get("workloads", {}).get(f"{pair}/{wl}@{L}", {}).get("description", "")
-        out += [f"**{pair} ({engine}), {wl}, {L} output tokens** -- {desc}", "",
+        out += [f"**{pair} ({engine}), {wl}, {L} output tokens**" + (f" -- {desc}" if desc else ""), "",
                 "| N | " + " | ".join(SHORT[s] for s in systems) + " | delayed / Std HTTP | delayed / Std in-proc |"
                 + (" DTMC bound (delayed) |" if engine == "sim" else ""),
                 "|---:|" + "---:|" * (len(systems) + 2) + ("---:|" if engine == "sim" else "")]

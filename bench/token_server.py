@@ -65,18 +65,17 @@ class ServerSpec:
 
 
 def build_engine(args: argparse.Namespace):
-    from aiorouter.spec import ModelSpec
     from engines import Engine, EngineConfig
     from server.cli import parse_models
-    spec = parse_models([f"{args.name}={args.model}"])[args.name]
+    spec = parse_models([f"{args.name}={args.model}"])[args.name]  # a ModelSpec: a path or sim:...
     ecfg = dict(page_size=args.page_size, max_model_len=args.max_model_len)
     if args.num_kv_tokens is not None:
         ecfg["num_kv_tokens"] = args.num_kv_tokens
-    if isinstance(spec, dict):  # sim:...
-        return ModelSpec(**spec, vocab_size=args.vocab_size, engine_config=EngineConfig(**ecfg)).build("cpu", args.kv_memory_gb, 1)
-    ms = ModelSpec(path=spec, engine_config=EngineConfig(**ecfg))
+    spec = replace(spec, engine_config=EngineConfig(**ecfg))
+    if spec.engine == "sim":
+        return replace(spec, vocab_size=args.vocab_size).build("cpu", args.kv_memory_gb, 1)
     # ids in, ids out: no tokenizer to load (transformers' import alone is seconds of start-up)
-    return Engine(spec, config=replace(ms.engine_config, num_kv_tokens=ms.kv_tokens(args.kv_memory_gb, 1)),
+    return Engine(spec.path, config=replace(spec.engine_config, num_kv_tokens=spec.kv_tokens(args.kv_memory_gb, 1)),
                   load_tokenizer=False)
 
 

@@ -117,6 +117,10 @@ def test_paper_regime_quick_schema(tmp_path):
         assert r["system"] in SYSTEMS and r["N"] in (1, 2) and r["max_tokens"] in (4, 16)
         assert r["tokens_per_s"] > 0 and r["per_user_tokens_per_s"] > 0
         assert r["tokens"] == r["requests"] * r["max_tokens"] and r["requests"] >= r["N"]
+    for r in runs:  # no schedule beats N requests that never wait (equal at N = 1: nothing to wait for)
+        if r["system"] == "aiorouter-delayed":
+            assert r["ceiling_tokens_per_s"] == r["N"] * 1000 / (6.0 + 0.35 * 27.9)
+            assert r["dtmc_tokens_per_s"] <= r["ceiling_tokens_per_s"] * (1 + 1e-9)
     # 4 requests per client at 4 tokens, 1 at 16: every client writes as many tokens at both lengths
     assert {(r["max_tokens"], r["requests_per_client"]) for r in runs if r["N"] == 2} == {(4, 4), (16, 1)}
     http = next(r for r in runs if r["system"] == "std-serving-http" and r["max_tokens"] == 16)
@@ -133,3 +137,22 @@ def test_paper_regime_quick_schema(tmp_path):
     assert data["length_scaling"] and data["paper_side_by_side"][0]["pair"] == "sim"
     text = md.read_text()
     assert "<!-- paper-regime:begin -->" in text and "| figure | paper" in text and "Table 10" in text
+
+
+async def test_paper_regime_profile_splits_sim_steps():
+    """bench.paper_regime_profile times each sim step's parts: a step sleeps at least L, its parts are
+    ordered in time, and the throughput model's prediction at the steps as run is below the one at L."""
+    from bench.paper_regime import SIM_MS, solve_sim_thresholds
+    from bench.paper_regime_profile import one, predicted
+    n = 2
+    thresholds, dtmc = solve_sim_thresholds((0.0, 0.0), n)
+    o = await one("delayed", n, 8, thresholds, None)
+    assert o["tok_s"] > 0 and 0 <= o["loop_cpu_frac"] < 1
+    for name, m in o["models"].items():
+        assert m["steps"] > 0 and 1 <= m["mean_batch"] <= n
+        assert m["forward"] >= SIM_MS[name] and m["of it, over L"] >= 0
+        assert min(m["launch (schedule)"], m["hop to worker"], m["hop back to loop"], m["finish"]) >= 0
+        assert 0 < m["busy_frac"] <= 1
+    B = tuple(thresholds[n][k] for k in SIM_MS)
+    slower = {k: v + 1.0 for k, v in SIM_MS.items()}
+    assert predicted(slower, n, B)[0] < dtmc["by_N"][n]["tokens_per_s"]
