@@ -11,6 +11,12 @@ Modes (one subserver loop serves all three):
   else can arrive), or when kicked out of a stall.
 - `sync`: step-sync rounds. A round opens when no model is stepping and no message is in flight;
   its members are the models with ready work at that moment, and the next round waits for all of them.
+
+In `delayed` mode the tuner may name, per concurrency N, a schedule other than delayed(B): eager or
+sync, whichever the throughput model predicts best (`set_schedule`). The decision then reads the
+mode for the current active count (`mode_now`). A switch never strands a model: members of an open
+sync round still launch whatever the mode has become, a switch wakes every model so it re-decides,
+and a sync round opens only once no model is stepping, so steps begun under another mode finish first.
 """
 from __future__ import annotations
 
@@ -62,6 +68,9 @@ class LaunchControl:
         self.inboxes = [asyncio.Queue() for _ in range(num_models)]
         self.table: dict[int, tuple[int, ...]] = dict(thresholds or {n: (1,) * num_models
                                                                      for n in range(1, max_concurrency + 1)})
+        # per N: the schedule run at that active count (only `delayed` mode varies it; see set_schedule)
+        self.modes: dict[int, str] = {n: mode for n in range(1, max_concurrency + 1)}
+        self.mode_now = mode  # the mode at the current active count
         self.num_active = 0  # requests in the system (the closed-loop N the thresholds are solved for)
         self.ready = [0] * num_models  # per model: sequences a step could compute, as last reported
         self.busy = 0  # models inside a step
@@ -88,17 +97,48 @@ class LaunchControl:
     # -- state the subservers and the request table report -----------------------------------------
     def set_ready(self, model: int, n: int) -> None:
         self.ready[model] = n
+        if n == 0 and model in self.round:
+            # a member left with nothing to step (its requests were aborted) would hold the round
+            # open forever, the others waiting on it: it leaves the round, and if it was the last
+            # one owed, the round is over
+            self.round.discard(model)
+            if not self.round and self.busy == 0:
+                self.wake_all(but=model)
 
     def set_active(self, n: int) -> None:
-        """The active count changed: every threshold may have changed with it."""
+        """The active count changed: every threshold, and the schedule, may have changed with it."""
         if n != self.num_active:
+            old = self._key(self.num_active)
             self.num_active = n
-            if self.mode == "delayed":
+            self.mode_now = self.mode_at(n)
+            # delayed reads the count itself (all active requests here: launch), the others only
+            # through their schedule
+            if self.mode == "delayed" and (self.mode_now == "delayed" or self._key(n) != old):
                 self.wake_all()
 
+    def _key(self, n: int) -> tuple:
+        k = min(max(1, n), self.max_concurrency)
+        return self.modes[k], self.table[k]
+
     def set_thresholds(self, table: Mapping[int, tuple[int, ...]]) -> None:
+        self.set_schedule(table, None)
+
+    def set_schedule(self, table: Mapping[int, tuple[int, ...]], modes: Mapping[int, str] | None) -> None:
+        """Thresholds per N and, in `delayed` mode, the schedule per N: "delayed" (with those
+        thresholds), "eager" or "sync". An N missing from `modes` runs delayed."""
+        if modes is not None and self.mode != "delayed":
+            raise ValueError(f"a schedule per concurrency applies to delayed mode only (this router runs {self.mode!r})")
+        bad = [m for m in (modes or {}).values() if m not in MODES]
+        if bad:
+            raise ValueError(f"unknown mode {bad[0]!r} in the schedule; use one of {', '.join(MODES)}")
         self.table = dict(table)
+        if modes is not None:
+            self.modes = {n: modes.get(n, "delayed") for n in range(1, self.max_concurrency + 1)}
+        self.mode_now = self.mode_at(self.num_active)
         self.wake_all()
+
+    def mode_at(self, n: int) -> str:
+        return self.modes[min(max(1, n), self.max_concurrency)]
 
     def threshold(self, model: int) -> int:
         return self.table[min(max(1, self.num_active), self.max_concurrency)][model]
@@ -111,12 +151,11 @@ class LaunchControl:
         ready = self.ready[model]
         if ready == 0:
             return False
-        if self.mode == "eager" or self.kicked[model]:
+        mode = self.mode_now
+        if mode == "eager" or self.kicked[model] or model in self.round:  # an open round finishes in any mode
             return True
-        if self.mode == "delayed":
+        if mode == "delayed":
             return should_launch(ready, self.threshold(model), self.num_active)
-        if model in self.round:
-            return True
         if not self.round and self.busy == 0 and self.in_flight == 0:  # sync: open the next round
             self.round = {i for i, r in enumerate(self.ready) if r > 0}
             for i in self.round - {model}:
@@ -131,7 +170,7 @@ class LaunchControl:
 
     def ended(self, model: int) -> None:
         self.busy -= 1
-        if self.mode == "sync" and self.busy == 0 and not self.round:
+        if self.mode_now == "sync" and self.busy == 0 and not self.round:
             self.wake_all(but=model)  # the round is over: whoever has work may open the next
 
     def kick_if_stalled(self, model: int) -> bool:
@@ -139,7 +178,7 @@ class LaunchControl:
         flight, nothing changes unless someone launches, so the model with the most ready requests
         does (the active count can fall below what the thresholds were solved for as load drains).
         True when that is `model` itself."""
-        if self.mode != "delayed" or self.busy or self.in_flight or not self.ready[model]:
+        if self.mode_now != "delayed" or self.busy or self.in_flight or not self.ready[model]:
             return False
         best = max(range(self.num_models), key=lambda i: (self.ready[i], -i))
         self.kicked[best] = True
@@ -149,4 +188,4 @@ class LaunchControl:
 
     def wait_timeout(self, model: int) -> float | None:
         """How long `model` may wait on its inbox: the max-wait bound while requests wait below a threshold."""
-        return self.max_wait_s if self.mode == "delayed" and self.ready[model] and self.max_wait_s else None
+        return self.max_wait_s if self.mode_now == "delayed" and self.ready[model] and self.max_wait_s else None

@@ -111,9 +111,10 @@ class Router:
                            for i, (n, e, t) in enumerate(zip(self.names, engines, threads))]
         self.metrics.models.update({s.name: s.metrics for s in self.subservers})
         if self.tuning is not None:
-            from engines.profile import profile_decode_latency
-            await self.tuning.start([lambda sizes, s=s: s.in_worker(profile_decode_latency, s.engine, sizes)
-                                     for s in self.subservers])
+            from engines.profile import profile_dispatched_latency
+            # timed from the loop: the hop to the worker and back is part of every step the chain models
+            await self.tuning.start([lambda sizes, s=s: profile_dispatched_latency(s.engine, s.executor, sizes)
+                                     for s in self.subservers], lambda cap: self._profile_contention(cap, threads))
         if self.faults is not None:
             log.warning("fault injection is on (test-only): prompts that start with a marker fail on purpose")
             self.policy.set_fault_hook(self.faults.on_policy)
@@ -153,7 +154,21 @@ class Router:
             return None
         from aiorouter.tuning.service import TuningService
         return TuningService(self.names, template, self.max_concurrency, self.tune_concurrency,
-                             self._launch.set_thresholds)
+                             self._launch.set_schedule)
+
+    async def _profile_contention(self, cap: int, threads: list[int]) -> list:
+        """How much the models slow each other (engines.profile.profile_contention), measured in
+        their own workers with the core lending they serve with, before serving starts; cached
+        by checkpoint files and device under $AIOROUTER_CACHE/contention. Sim engines: none."""
+        from engines.default_model import cache_dir
+        from engines.profile import contention_pairs, profile_contention
+        engines = [s.engine for s in self.subservers]
+        heavy = max(range(len(engines)), key=lambda i: (engines[i].num_params, -i))
+        share = self._core_share
+        return await asyncio.to_thread(profile_contention, engines, contention_pairs(len(engines), cap, heavy),
+                                       threads=threads, executors=[s.executor for s in self.subservers],
+                                       wrap=share.step_fn if share is not None else None,
+                                       cache_dir=cache_dir() / "contention")
 
     def _intra_op_threads(self, engines) -> list[int]:
         """Intra-op threads of each model's worker (CPU only; on GPU the worker just launches kernels)."""
@@ -224,6 +239,11 @@ class Router:
     def thresholds(self, n: int) -> dict[str, int]:
         """The delayed-batching threshold of each model at concurrency n (B = 1 until tuning is done)."""
         return dict(zip(self.names, self._launch.thresholds_at(n)))
+
+    def schedule(self, n: int) -> str:
+        """The schedule run at concurrency n: the router's mode, or in `delayed` mode with tuned
+        thresholds the one the throughput model predicts best there ("delayed", "eager" or "sync")."""
+        return self._launch.mode_at(n)
 
     def dead_tasks(self) -> list[str]:
         """Names of subserver tasks that have stopped (a healthy running router has none)."""

@@ -6,8 +6,9 @@ what the throughput model predicts for it (bench/modes_model.py says from what).
                           [--quiet-gate CORES] [--out DIR]
 
 Per N, in one invocation: sync and eager run first (thresholds 1); the model then solves for the
-routing they observed, and delayed runs with the thresholds it predicts best (`model`, forced via
-Router(thresholds=...)) or with the router's own start-up tuner (`auto`). `--sweep` also runs
+routing they observed, and delayed runs the schedule it predicts best (`model`: delayed with B* forced
+via Router(thresholds=...), or eager, or sync, whichever it predicts best; recorded as "schedule")
+or the router's own start-up tuner's schedule at N (`auto`). `--sweep` also runs
 delayed at every large-model threshold 1..N (small-model threshold as predicted), so the
 measured best threshold can be read against the predicted one. Writes DIR/modes.json:
 {"results": {"<mode>@<N>": {"tok_s", "predicted_tok_s", ...}}, "predictions": {N: ...},
@@ -100,6 +101,7 @@ async def run_once(pair, mode: str, n: int, prompts: list, tokens: int, total: i
         out["busy"] = {k: m.step_time_sum / res.seconds for k, m in r.metrics.models.items()}
         if mode == "delayed":
             out["thresholds"] = r.thresholds(n)
+            out["schedule"] = r.schedule(n)  # with thresholds="auto": the tuner's choice at N
         out["load_avg"] = os.getloadavg()
     gc.collect()
     return out
@@ -174,8 +176,14 @@ def main(argv=None) -> int:
         P, tau = observed_routing(seen, prof.names) if seen else (tpl_P, np.ones(2))
         pred = predictions[n] = predict(prof, P, tpl_C, tau, n)
         if "delayed" in modes:
-            th = (dict(zip(prof.names, pred["best_thresholds"])) if args.delayed_thresholds == "model" else "auto")
-            results[f"delayed@{n}"] = run("delayed", n, total, th)
+            if args.delayed_thresholds == "model":
+                # delayed batching is the best schedule the model finds: delayed(B*), eager or sync
+                sched = pred["schedule"][0]
+                th = dict(zip(prof.names, pred["best_thresholds"] if sched == "delayed" else (1, 1)))
+                results[f"delayed@{n}"] = run("sync" if sched == "sync" else "delayed", n, total, th)
+                results[f"delayed@{n}"]["schedule"] = sched
+            else:
+                results[f"delayed@{n}"] = run("delayed", n, total, "auto")
         sweep = {}
         if args.sweep and n > 1:
             b0 = pred["best_thresholds"][0]
@@ -185,9 +193,9 @@ def main(argv=None) -> int:
                                                          "outside_load_cores")}
             sweeps[n] = sweep
         for key in [k for k in results if k.endswith(f"@{n}")]:
-            mode = key.split("@")[0]
+            mode = results[key].get("schedule", key.split("@")[0])  # delayed@N may have run eager or sync
             th = results[key].get("thresholds")
-            b = tuple(th[x] for x in prof.names) if isinstance(th, dict) else None
+            b = tuple(th[x] for x in prof.names) if isinstance(th, dict) and mode == "delayed" else None
             results[key]["predicted_tok_s"] = predicted_for(pred, mode, b)
         summary[n] = summarise(n, results, pred, sweep)
         print(json.dumps({"N": n, **summary[n]}, default=float))

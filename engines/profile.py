@@ -6,6 +6,7 @@ engine must be idle). docs/throughput-model.md says how the chain uses them.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -80,6 +81,40 @@ def profile_decode_latency(engine: Engine, batch_sizes: list[int], steps: int = 
     """Median seconds of one decode step at each batch size."""
     got = profile_step_latency(engine, [(b, 1) for b in batch_sizes], steps, prompt_len, warmup)
     return {b: got[(b, 1)] for b in batch_sizes}
+
+
+async def profile_dispatched_latency(engine: Engine, executor: Executor, batch_sizes: list[int], steps: int = 3,
+                                     prompt_len: int = 32, warmup: int = 1, min_seconds: float = 0.15,
+                                     max_steps: int = 40) -> dict[int, float]:
+    """Median seconds of one decode step at each batch size as the runtime dispatches it: timed on
+    the event loop from handing the step to the model's worker (`executor`) to the loop resuming
+    with its result, so the thread hop each way (and any wait for the GIL) counts as step time.
+
+    That hop is a per-step cost the chain would not see in `profile_decode_latency`: on the
+    2-core bench machine under load 5.8, a 6 ms sim step took 6.15 ms inside its worker and
+    6.6-6.9 ms seen from the loop. Each size takes at least `steps` steps and goes on (up to
+    `max_steps`) until `min_seconds` have passed: a fast model's median then rests on tens of
+    steps (three 6 ms steps under load gave one size 8.1 ms against 6.4 for the others), a
+    slow model's costs no more than before."""
+    loop = asyncio.get_running_loop()
+    out: dict[int, float] = {}
+    for b in batch_sizes:
+        batch = await loop.run_in_executor(executor, lambda: _DecodeBatch(engine, b, prompt_len, window=16))
+        try:
+            await loop.run_in_executor(executor, batch.prefill)
+            times: list[float] = []
+            start = time.perf_counter()
+            for i in range(warmup + max_steps):
+                if len(times) >= steps and time.perf_counter() - start >= min_seconds:
+                    break
+                t0 = time.perf_counter()
+                await loop.run_in_executor(executor, batch.step)
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+            out[b] = statistics.median(times)
+        finally:
+            await loop.run_in_executor(executor, batch.close)
+    return out
 
 
 def profile_step_latency(engine: Engine, shapes: Seq[tuple[int, int]], steps: int = 3, prompt_len: int = 32,

@@ -1,54 +1,81 @@
-"""The tuner's lifecycle inside a running router: profile each model, solve the threshold table in
-the background (the router serves with B = 1 meanwhile), feed it the routes actually taken, and
-re-solve off the event loop when they drift from what the table was solved for.
+"""The tuner's lifecycle inside a running router: profile each model (its step latency, and how much
+the models slow each other when they share hardware), solve the schedule per concurrency in the
+background (the router serves with B = 1 meanwhile), feed it the routes actually taken, and
+re-solve off the event loop when they drift from what the schedule was solved for.
 
-It sees models only through profiling callables and hands thresholds to a setter, so it stays free
-of torch and of the router's internals.
+It sees models only through profiling callables and hands the schedule to a setter, so it stays
+free of torch and of the router's internals.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 
+from .contention import Contention
 from .latency import LatencyModel, fit_latency
 from .online import TuningCancelled
+from .quantum import DEFAULT_TABLE_STATES, choose_delta
 from .tuner import Tuner, TunerConfig
-from .quantum import choose_delta
 
 log = logging.getLogger("aiorouter")
 
 Profiler = Callable[[list[int]], Awaitable[dict[int, float]]]  # batch sizes -> seconds per decode step
+# cap -> measured contention samples (fields model, batch, other, other_batch, kappa); none: no contention
+ContentionProfiler = Callable[[int], Awaitable[Sequence[object]]]
 Table = dict[int, tuple[int, ...]]  # concurrency N -> B per model
+Modes = dict[int, str]  # concurrency N -> "delayed", "eager" or "sync"
 
 RESOLVE_EVERY = 2000  # routing decisions between drift checks
 
 
 class TuningService:
     def __init__(self, names: Sequence[str], template: tuple[np.ndarray, np.ndarray], max_concurrency: int,
-                 tune_concurrency: int | None, apply: Callable[[Table], None]):
+                 tune_concurrency: int | None, apply: Callable[[Table, Modes], None],
+                 resolve_every: int = RESOLVE_EVERY):
+        if resolve_every < 1:
+            raise ValueError(f"resolve_every must be >= 1 routing decisions, got {resolve_every!r}")
         self.names, self.template, self.max_concurrency, self.apply = list(names), template, max_concurrency, apply
-        self.cap = tune_concurrency or min(max_concurrency, 16 if len(self.names) == 2 else 8)
+        self.cap = min(tune_concurrency or (16 if len(self.names) == 2 else 8), max_concurrency)
+        self.resolve_every = resolve_every
         self.tuner: Tuner | None = None
+        self.contention: Contention | None = None
+        self.profiled: dict[str, dict[int, float]] = {}  # per model: batch size -> seconds per decode step
+        # start-up cost, reported in the log and here (seconds): decode profile, contention profile, solve
+        self.profile_seconds = self.contention_seconds = self.solve_seconds = 0.0
+        self.resolves = 0  # re-solves run after drift
+        self.swaps = 0  # ... of which changed the schedule at some N
         self._closing = False
         self._task: asyncio.Task | None = None
         self._resolving: asyncio.Task | None = None
         self._decisions = 0
 
-    async def start(self, profilers: Sequence[Profiler]) -> None:
-        """Profile every model (in its own worker: with the threads it serves with), then solve in the background."""
+    async def start(self, profilers: Sequence[Profiler], contention: ContentionProfiler | None = None) -> None:
+        """Profile every model (in its own worker: with the threads it serves with) and their
+        contention, then solve in the background."""
+        t0 = time.perf_counter()
         sizes = sorted({1, 2, 4, self.cap})
         lats = []
         for name, profile in zip(self.names, profilers):
-            lat = await profile(sizes)
+            lat = self.profiled[name] = await profile(sizes)
             fit = fit_latency(list(lat), list(lat.values()))
             if fit.c * self.cap < 0.05 * fit.a:  # a slope inside the noise only multiplies the chain's states
                 fit = LatencyModel(fit(1), 0.0)
             lats.append(fit)
             log.info("model %s: decode step %s -> L(b) = %.2f ms + %.3f ms * b", name,
                      ", ".join(f"b={b}: {t * 1e3:.2f} ms" for b, t in lat.items()), fit.a * 1e3, fit.c * 1e3)
+        t1 = time.perf_counter()
+        samples = list(await contention(self.cap)) if contention is not None else []
+        t2 = time.perf_counter()
+        self.profile_seconds, self.contention_seconds = t1 - t0, t2 - t1
+        con = Contention.from_samples(len(self.names), samples)
+        self.contention = None if con.is_zero else con
+        log.info("start-up profile: decode steps %.2fs, contention %.2fs (%s)", t1 - t0, t2 - t1,
+                 "; ".join(f"{self.names[s.model]}@{s.batch} vs {self.names[s.other]}@{s.other_batch}: "
+                           f"kappa {s.kappa:.2f}" for s in samples) or "none measured")
         self._task = asyncio.get_running_loop().create_task(self._solve_initial(lats))
 
     @property
@@ -62,17 +89,20 @@ class TuningService:
         return self._resolving is not None
 
     def _build_tuner(self, lats: list[LatencyModel]) -> Tuner:
-        """(thread) Pick delta from the state budget, then solve the table for N = 1..cap."""
+        """(thread) Pick delta from the state budget, then solve the schedule for N = 1..cap."""
         P, C = self.template
         # The quantum bounds the work: a fixed "40 quanta for the fastest step" let a slow model at
         # a large batch run to hundreds of quanta (minutes of solving); the budget does not.
-        choice = choose_delta(P, lats, self.cap)
+        choice = choose_delta(P, lats, self.cap, contention=self.contention)
         coarse = choice.max_error > 0.05
         log.log(logging.WARNING if coarse else logging.INFO, "threshold tuning: %s%s", choice.describe(),
                 "; the model is coarse for these latencies" if coarse else "")
-        return Tuner(TunerConfig.build(P, C, lats, self.cap, delta=choice.delta), should_stop=lambda: self._closing)
+        cfg = TunerConfig.build(P, C, lats, self.cap, delta=choice.delta, contention=self.contention,
+                                table_states=DEFAULT_TABLE_STATES)
+        return Tuner(cfg, should_stop=lambda: self._closing)
 
     async def _solve_initial(self, lats: list[LatencyModel]) -> None:
+        t0 = time.perf_counter()
         try:
             self.tuner = await asyncio.to_thread(self._build_tuner, lats)
         except TuningCancelled:
@@ -80,28 +110,58 @@ class TuningService:
         except Exception as e:  # serving with B = 1 (eager) beats not serving
             log.exception("threshold tuning failed (%r); every threshold stays 1", e)
             return
-        table = self.table()
-        log.info("delayed-batching thresholds: %s", ", ".join(
-            f"N={n}: {dict(zip(self.names, table[n]))}" for n in sorted({1, 2, 4, 8, self.cap}) if n <= self.cap))
-        self.apply(table)
+        self.solve_seconds = time.perf_counter() - t0
+        log.info("schedule solved in %.2fs (after %.2fs of profiling): %s", self.solve_seconds,
+                 self.profile_seconds + self.contention_seconds, self.describe())
+        self._apply()
+
+    def describe(self, ns: Sequence[int] | None = None) -> str:
+        ns = ns or sorted(n for n in {1, 2, 4, 8, 16, self.cap} if n <= self.cap)
+        out = []
+        for n in ns:
+            s = self.tuner.schedule(n)
+            what = f"delayed B={dict(zip(self.names, s.thresholds))}" if s.mode == "delayed" else s.mode
+            out.append(f"N={n}: {what} ({s.predicted:.1f} tok/s predicted)")
+        return ", ".join(out)
 
     def table(self) -> Table:
         return {n: self.tuner.thresholds(min(n, self.cap)) for n in range(1, self.max_concurrency + 1)}
 
+    def modes(self) -> Modes:
+        return {n: self.tuner.schedule(min(n, self.cap)).mode for n in range(1, self.max_concurrency + 1)}
+
+    def _apply(self) -> None:
+        self.apply(self.table(), self.modes())
+
     def observe(self, src: int, dst: int, tokens: int) -> None:
-        """Feed the online estimate of P; re-solve off the loop every RESOLVE_EVERY decisions if it drifted."""
+        """Feed the online estimate of P; re-solve off the loop every `resolve_every` decisions if it drifted."""
         if self.tuner is None:
             return
         self.tuner.observe(src, dst, tokens)
         self._decisions += 1
-        if self._decisions % RESOLVE_EVERY == 0 and self._resolving is None:
+        if self._decisions % self.resolve_every == 0 and self._resolving is None and not self._closing:
             self._resolving = asyncio.get_running_loop().create_task(self._resolve())
+
+    def _resolve_blocking(self) -> tuple[bool, bool]:
+        """(thread) -> (a re-solve ran, it changed the schedule at some N)."""
+        before = self.tuner.table
+        changed = self.tuner.maybe_resolve()
+        return self.tuner.table is not before, changed
 
     async def _resolve(self) -> None:
         try:
-            if await asyncio.to_thread(self.tuner.maybe_resolve):
-                self.apply(self.table())
-        except Exception as e:  # a failed re-solve keeps the current thresholds
+            t0 = time.perf_counter()
+            ran, changed = await asyncio.to_thread(self._resolve_blocking)
+            if ran:
+                self.resolves += 1
+                log.info("routing drifted: re-solved in %.2fs%s", time.perf_counter() - t0,
+                         f"; now {self.describe()}" if changed else "; the schedule stays (gain within the noise)")
+            if changed and not self._closing:
+                self.swaps += 1
+                self._apply()
+        except TuningCancelled:
+            pass
+        except Exception as e:  # a failed re-solve keeps the current schedule
             log.warning("threshold re-solve failed: %r", e)
         finally:
             self._resolving = None
@@ -110,6 +170,11 @@ class TuningService:
         """Until the start-up solve is done."""
         if self._task is not None:
             await asyncio.shield(self._task)
+
+    async def wait_resolved(self) -> None:
+        """Until a re-solve in progress (if any) is done."""
+        if self._resolving is not None:
+            await asyncio.shield(self._resolving)
 
     async def close(self) -> None:
         self._closing = True
