@@ -68,7 +68,11 @@ class TuningService:
             log.info("model %s: decode step %s -> L(b) = %.2f ms + %.3f ms * b", name,
                      ", ".join(f"b={b}: {t * 1e3:.2f} ms" for b, t in lat.items()), fit.a * 1e3, fit.c * 1e3)
         t1 = time.perf_counter()
-        samples = list(await contention(self.cap)) if contention is not None else []
+        try:
+            samples = list(await contention(self.cap)) if contention is not None else []
+        except ValueError as e:  # a KV pool too small for the profile's batches: tune without contention
+            log.warning("contention not profiled (%s); the thresholds are solved without it", e)
+            samples = []
         t2 = time.perf_counter()
         self.profile_seconds, self.contention_seconds = t1 - t0, t2 - t1
         con = Contention.from_samples(len(self.names), samples)
