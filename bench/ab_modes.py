@@ -37,9 +37,10 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--after", type=Path, default=ROOT, help="the checkout measured against --before (default: this one)")
     ap.add_argument("--name", default="redesign_modes")
     args = ap.parse_args(argv)
-    trees = {"before": args.before.resolve(), "after": ROOT}
+    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
     for rnd in range(args.rounds):
         order = ("before", "after") if rnd % 2 == 0 else ("after", "before")
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
                   ", ".join(f"{k} {v:.1f}" for k, v in runs[which][-1].items()), flush=True)
     keys = list(runs["after"][0])
     ratios = {k: statistics.median(a[k] / b[k] for a, b in zip(runs["after"], runs["before"])) for k in keys}
-    path = write_json(args.name, {"before": str(trees["before"]), "rounds": args.rounds, "tokens": args.tokens,
+    path = write_json(args.name, {"before": str(trees["before"]), "after": str(trees["after"]), "rounds": args.rounds, "tokens": args.tokens,
                                   "requests_per_client": args.requests_per_client, "runs": runs,
                                   "median_ratio_after_over_before": ratios})
     print("| mode@N | before tok/s (median) | after tok/s (median) | after/before (median of rounds) |")
