@@ -18,7 +18,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # keep `import engines.default_model` free of torch
     import torch
@@ -169,19 +169,18 @@ def default_model_path(dtype: str = "float32") -> Path:
 def truncated_model_path(src: Path, num_layers: int) -> Path:
     """A cheaper sibling of `src`: its first `num_layers` layers under the same embedding,
     final norm and head (the embedded default pair's small model). Built once, cached."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     src = Path(src)
     cfg = json.loads((src / "config.json").read_text())
     if not 1 <= num_layers <= cfg["num_hidden_layers"]:
         raise ValueError(f"num_layers must be in [1, {cfg['num_hidden_layers']}], got {num_layers}")
-    out = src.with_name(f"{src.name}-first{num_layers}layers")
-    if (out / MARKER).is_file():
-        return out
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    return _build_once(src.with_name(f"{src.name}-first{num_layers}layers"),
+                       lambda tmp: _write_truncated(src, cfg, num_layers, tmp))
+
+
+def _write_truncated(src: Path, cfg: dict, num_layers: int, tmp: Path) -> dict:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
     tensors = {}
     for f in sorted(src.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
@@ -196,7 +195,18 @@ def truncated_model_path(src: Path, num_layers: int) -> Path:
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", MARKER):
             shutil.copy2(f, tmp / f.name)
-    (tmp / MARKER).write_text(json.dumps({"source": str(src), "num_layers": num_layers}))
+    return {"source": str(src), "num_layers": num_layers}
+
+
+def _build_once(out: Path, write: Callable[[Path], dict]) -> Path:
+    """`out`, built once: `write(tmp)` fills a private temporary directory and returns what the
+    completion marker records; the whole directory then appears at `out` by one rename."""
+    if (out / MARKER).is_file():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / MARKER).write_text(json.dumps(write(tmp)))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
@@ -220,24 +230,20 @@ def quantized_model_path(src: Path, quantization: str) -> Path:
     if check_quantization(quantization) is None:
         raise ValueError("quantized_model_path needs a quantization, got None")
     out = src.with_name(f"{src.name}-{quantization}")
-    if (out / MARKER).is_file():
-        return out
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.name == MARKER or not f.is_file():
-            continue
-        if f.suffix == ".safetensors" or f.name == "model.safetensors.index.json":
-            os.symlink(os.path.relpath(f, out), tmp / f.name)  # relative: the cache may move whole
-        elif f.name != "config.json":
-            shutil.copy2(f, tmp / f.name)
-    cfg = json.loads((src / "config.json").read_text())
-    (tmp / "config.json").write_text(json.dumps({**cfg, CONFIG_KEY: quantization}, indent=2))
-    (tmp / MARKER).write_text(json.dumps({"source": str(src), "quantization": quantization}))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out
+
+    def write(tmp: Path) -> dict:
+        for f in src.iterdir():
+            if f.name == MARKER or not f.is_file():
+                continue
+            if f.suffix == ".safetensors" or f.name == "model.safetensors.index.json":
+                os.symlink(os.path.relpath(f, out), tmp / f.name)  # relative: the cache may move whole
+            elif f.name != "config.json":
+                shutil.copy2(f, tmp / f.name)
+        cfg = json.loads((src / "config.json").read_text())
+        (tmp / "config.json").write_text(json.dumps({**cfg, CONFIG_KEY: quantization}, indent=2))
+        return {"source": str(src), "quantization": quantization}
+
+    return _build_once(out, write)
 
 
 def default_pair() -> dict[str, Path]:
