@@ -112,9 +112,12 @@ class Subserver:
                 return False
             t0 = time.perf_counter()
             self._admitted(batch, t0)
-            for part, out in await self._isolating(batch):
+            parts = await self._isolating(batch)
+            for part, out in parts:
                 self.engine.finish(part, out)
-                self.metrics.record_step(len(part), time.perf_counter() - t0)
+            if parts:  # one step, however many parts isolation ran it in
+                self.metrics.record_step(sum(len(p) for p, _ in parts), time.perf_counter() - t0)
+            for _, out in parts:
                 for row in out.bad_rows:
                     req = out.seqs[row].user_data
                     self.requests.fail(req, RouterError(
