@@ -6,22 +6,27 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+EXACT_ROWS = 32  # decode batches and short extends run at their own row count
+STEPS_PER_OCTAVE = 8  # above that, buckets split each doubling into 8: at most 12.5% padded rows
+
 
 def bucket_rows(t: int) -> int:
-    """The row count a oneDNN call on `t` rows runs at: t itself up to 32 (decode batches), then
-    the next power of two up to 256, then the next multiple of 256.
+    """The row count a oneDNN call on `t` rows runs at: t itself up to 32, then t rounded up to a
+    multiple of 1/8 of its power-of-two octave (33-64 by 4, 65-128 by 8, 129-256 by 16, ...).
 
     oneDNN builds (JIT-compiles) a primitive per input shape and caches up to 1024 of them
     (ONEDNN_PRIMITIVE_CACHE_CAPACITY). Prefill chunks of every prompt length made a new shape each,
     so a serving process's RSS climbed for as long as new lengths arrived: +9-14 % over a 2-minute
-    soak of the cpu-tiny pair (bench/soak.py), and -9 % with the cache capped at 8 entries. With
-    buckets a model has at most 32 + 2 + max_chunk / 256 row counts per weight shape; the padding
-    costs at most 2x on a prompt of 33-256 tokens and < 256 rows above."""
-    if t <= 32:
+    soak of the cpu-tiny pair (bench/soak.py), and -9 % with the cache capped at 8 entries.
+    Buckets bound the shapes per weight (32 + 8 per doubling: 80 up to 2048 rows). They were first
+    powers of two, which padded a prompt of 100 tokens to 128 and one of 130 to 256: prefill is
+    compute-bound, so it cost as much (the cpu-tiny large model's prefill of 100 tokens took 400
+    against 311 ms unpadded, 1 thread) and took sync and eager at N = 4 to 0.77x of the pre-redesign
+    runtime in the modes A/B, where every hand-off makes the large model prefill the prompt."""
+    if t <= EXACT_ROWS:
         return t
-    if t <= 256:
-        return 1 << (t - 1).bit_length()
-    return -(-t // 256) * 256
+    step = max(1, (1 << ((t - 1).bit_length() - 1)) // STEPS_PER_OCTAVE)
+    return -(-t // step) * step
 
 
 def onednn_rows(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""oneDNN linear calls run at bucketed row counts (engines.model.bucket_rows): a bounded set of
+"""oneDNN linear calls run at bucketed row counts (engines.onednn_rows.bucket_rows): a bounded set of
 shapes per weight, so oneDNN's per-shape primitive cache stops growing, with the same outputs."""
 import pytest
 import torch
@@ -14,11 +14,12 @@ from engines.onednn_rows import bucket_rows, onednn_rows
 def test_bucket_covers_and_bounds_the_padding(t):
     b = bucket_rows(t)
     assert b >= t
-    assert b == t if t <= 32 else (b < 2 * t if t <= 256 else b - t < 256)
+    assert b == t if t <= 32 else 8 * (b - t) < t  # under 12.5% padded rows: prefill pays for each
 
 
 def test_few_row_counts_for_every_prompt_length():
-    assert len({bucket_rows(t) for t in range(1, 2049)}) == 32 + 2 + 2048 // 256
+    # 32 exact counts, then 8 per doubling from 32 to 2048
+    assert len({bucket_rows(t) for t in range(1, 2049)}) == 32 + 8 * 6
 
 
 @pytest.mark.parametrize("t", [1, 7, 33, 100, 257, 700])
