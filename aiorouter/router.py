@@ -107,7 +107,8 @@ class Router:
         share = self._core_share = CoreShare.plan(engines, threads)
         self.tuning = self._make_tuning()
         observe = self.tuning.observe if self.tuning is not None else None
-        self.subservers = [Subserver(i, n, e, self._launch, self._requests, t, share, observe)
+        observe_step = self.tuning.observe_step if self.tuning is not None else None
+        self.subservers = [Subserver(i, n, e, self._launch, self._requests, t, share, observe, observe_step)
                            for i, (n, e, t) in enumerate(zip(self.names, engines, threads))]
         self.metrics.models.update({s.name: s.metrics for s in self.subservers})
         if self.tuning is not None:

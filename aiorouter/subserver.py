@@ -27,13 +27,15 @@ from policies.base import STAY, PeerReq, Policy, ReqView, StepResult
 log = logging.getLogger("aiorouter.subserver")
 
 RouteObserver = Callable[[int, int, int], None]  # (from model, to model, tokens committed)
+StepObserver = Callable[[int, int, float], None]  # (model, batch size, seconds of loop work around the step)
 
 
 class Subserver:
     def __init__(self, index: int, name: str, engine: Engine, launch: LaunchControl, requests: RequestTable,
-                 num_threads: int, core_share: CoreShare | None = None, observe: RouteObserver | None = None):
+                 num_threads: int, core_share: CoreShare | None = None, observe: RouteObserver | None = None,
+                 observe_step: StepObserver | None = None):
         self.index, self.name, self.engine = index, name, engine
-        self.launch, self.requests, self.observe = launch, requests, observe
+        self.launch, self.requests, self.observe, self.observe_step = launch, requests, observe, observe_step
         self.metrics = ModelMetrics(kv_pages_total=engine.kv_usage().pages_total)
         # One worker thread per model: forwards of different models overlap while the event
         # loop stays free. Its intra-op thread count is set inside that thread (per-thread in OpenMP).
@@ -103,9 +105,12 @@ class Subserver:
         seq.t_ready = time.perf_counter()
 
     # -- one step ----------------------------------------------------------------------------
-    async def step(self) -> bool:
-        """Schedule, run and route one batch. False when nothing could be scheduled."""
+    async def step(self, since: float | None = None) -> bool:
+        """Schedule, run and route one batch. False when nothing could be scheduled. `since`: when
+        the loop's work towards this step began (the messages that made it ready, handled first)."""
         self.launch.started(self.index)
+        parts: list = []
+        t0 = t_back = since = since or time.perf_counter()
         try:
             batch = self.engine.schedule()
             if not batch:
@@ -113,6 +118,7 @@ class Subserver:
             t0 = time.perf_counter()
             self._admitted(batch, t0)
             parts = await self._isolating(batch)
+            t_back = time.perf_counter()
             for part, out in parts:
                 self.engine.finish(part, out)
             if parts:  # one step, however many parts isolation ran it in
@@ -128,6 +134,10 @@ class Subserver:
         finally:
             self.launch.ended(self.index)
             self._report()
+            if self.observe_step is not None and len(parts) == 1:  # (a step rerun in parts is not a step's cost)
+                # the loop's own work for this step, before the hop to the worker and after it (the
+                # hop and the forward are what the start-up profile timed)
+                self.observe_step(self.index, len(batch), (t0 - since) + (time.perf_counter() - t_back))
 
     async def _isolating(self, batch: list[ScheduledSeq]) -> list[tuple[list[ScheduledSeq], ForwardOutput]]:
         """Run the batch -> [(part, its output)]. A step that raises is run again in halves, so a
@@ -274,16 +284,20 @@ class Subserver:
     # -- the loop (every mode: LaunchControl decides) --------------------------------------------
     async def run(self) -> None:
         inbox = self.launch.inboxes[self.index]
+        since = time.perf_counter()  # the loop's work towards the next step began (see step)
         while True:
             self.drain()
             if self.launch.may_launch(self.index) or self.launch.kick_if_stalled(self.index):
-                if await self.step():
+                if await self.step(since):
+                    since = time.perf_counter()
                     continue
             try:
                 msg = await asyncio.wait_for(inbox.get(), self.launch.wait_timeout(self.index))
             except asyncio.TimeoutError:  # max-wait bound: launch what is here
                 await self.step()
+                since = time.perf_counter()
                 continue
+            since = time.perf_counter()
             self.handle(msg)
 
     def close(self) -> None:

@@ -2,10 +2,13 @@
 
 R2R-like routing (`random`, p = 0.35), small 6.0 ms and large 27.9 ms per step, B_0 = 1 and B_1
 from 1 to N, at N = 2, 3, 4, 6, 8 closed-loop clients. The model is fed the step latencies the
-sim engines actually take in the runtime (profiled, as a router does at start-up), and its
-prediction and best B_1 are compared with what the runtime measures. The latencies are those a
-router profiles at start-up: timed from its event loop, so the thread hop of every step (0.1-0.7 ms
-depending on load) is in the chain as a per-step cost.
+sim engines actually take in the runtime, and its prediction and best B_1 are compared with what
+the runtime measures. The step times are those a router learns: profiled at start-up from its
+event loop (so the thread hop of every step, 0.1-0.7 ms depending on load, is in them), plus the
+event loop's own work around each step (scheduling, routing, commits, handling the handoffs),
+which a router measures while serving (`TuningService.step_costs`; it re-solves with it). Here a
+tuned router serves `--learn-seconds` of the N = max closed loop to learn it; both predictions
+(with and without that cost) are recorded.
 
     python bench/dtmc_validation.py [--seconds 4] [--concurrency 2,3,4,6,8]
 """
@@ -55,15 +58,28 @@ async def measure(n: int, b1: int, seconds: float, max_tokens: int) -> float:
         return (tokens - start_tokens) / (t_end - t_start)
 
 
-async def router_profile(n_max: int) -> tuple[list, dict]:
-    """The step latencies a router measures at start-up (thresholds="auto"): each step timed from
-    the event loop through the model's worker, so the hop to the worker and back is in L(b) as a
-    per-step cost (engines.profile.profile_dispatched_latency)."""
+async def router_profile(n_max: int, learn_seconds: float, max_tokens: int) -> tuple[list, list, dict]:
+    """The step times a router learns (thresholds="auto"): -> (profiled at start-up, profiled plus
+    the loop's work per step measured while serving `learn_seconds` of an n_max closed loop, raw
+    profile). The profile times each step from the event loop through the model's worker, so the
+    hop to the worker and back is in L(b) (engines.profile.profile_dispatched_latency)."""
     models = {"small": {"engine": "sim", "latency_ms": L0}, "large": {"engine": "sim", "latency_ms": L1}}
     async with Router(models, policy="random", policy_args={"p": P}, tune_concurrency=n_max,
                       max_concurrency=n_max) as r:
         await r.wait_tuned()
-        return list(r.tuning.tuner.config.latency), dict(r.tuning.profiled)
+        stop = time.perf_counter() + learn_seconds
+
+        async def worker():
+            while time.perf_counter() < stop:
+                async for _ in r.stream("x", max_tokens=max_tokens, ignore_eos=True):
+                    pass
+
+        await asyncio.gather(*(worker() for _ in range(n_max)))
+        costs = r.tuning.step_costs()
+        if costs is None:
+            raise RuntimeError(f"{learn_seconds} s of serving gave too few steps to measure the loop's work per step")
+        profiled = list(r.tuning.tuner.config.latency)
+        return profiled, list(r.tuning.tuner.with_step_cost(costs)), dict(r.tuning.profiled)
 
 
 def main(argv=None) -> int:
@@ -71,21 +87,25 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="2,3,4,6,8")
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--learn-seconds", type=float, default=8.0, help="serving before measuring, to learn the loop's work per step")
     args = ap.parse_args(argv)
     ns = [int(x) for x in args.concurrency.split(",")]
-    (lat0, lat1), raw = asyncio.run(router_profile(max(ns)))
+    profiled, (lat0, lat1), raw = asyncio.run(router_profile(max(ns), args.learn_seconds, args.max_tokens))
     spec = SystemSpec.build([[1 - P, P], [1.0, 0.0]], [[1.0, 0.0], [1.0, 0.0]], [lat0, lat1], delta=1e-4)
+    spec_profile = SystemSpec.build([[1 - P, P], [1.0, 0.0]], [[1.0, 0.0], [1.0, 0.0]], profiled, delta=1e-4)
     nominal = SystemSpec.build([[1 - P, P], [1.0, 0.0]], [[1.0, 0.0], [1.0, 0.0]], [L0 / 1000, L1 / 1000], delta=1e-4)
     rows = []
     with tqdm(total=sum(ns), desc="dtmc validation") as bar:
         for n in ns:
             Bs = [(1, b1) for b1 in range(1, n + 1)]
             pred = solve_grid(spec, n, Bs)
+            pred_profile = solve_grid(spec_profile, n, Bs)
             pred_nominal = solve_grid(nominal, n, Bs)
-            for (_, b1), pr, pn in zip(Bs, pred, pred_nominal):
+            for (_, b1), pr, pp, pn in zip(Bs, pred, pred_profile, pred_nominal):
                 meas = asyncio.run(measure(n, b1, args.seconds, args.max_tokens))
-                rows.append({"N": n, "B1": b1, "predicted": pr.throughput, "predicted_nominal_latency": pn.throughput,
-                             "measured": meas, "error": pr.throughput / meas - 1})
+                rows.append({"N": n, "B1": b1, "predicted": pr.throughput, "predicted_profile_only": pp.throughput,
+                             "predicted_nominal_latency": pn.throughput, "measured": meas,
+                             "error": pr.throughput / meas - 1, "error_profile_only": pp.throughput / meas - 1})
                 bar.update(1)
     summary = []
     for n in ns:
@@ -96,12 +116,17 @@ def main(argv=None) -> int:
         summary.append({"N": n, "best_B1_predicted": bp["B1"], "best_B1_measured": bm["B1"],
                         "measured_gap_of_predicted_best": gap, "ok": bp["B1"] == bm["B1"] or gap <= 0.02,
                         "max_abs_error": max(abs(r["error"]) for r in rs)})
-    data = {"p": P, "latency_ms": [L0, L1], "profiled_latency_s": raw,
+    data = {"p": P, "latency_ms": [L0, L1], "profiled_latency_s": raw, "seconds": args.seconds,
+            "fitted_profile": {"small": [profiled[0].a, profiled[0].c], "large": [profiled[1].a, profiled[1].c]},
             "fitted": {"small": [lat0.a, lat0.c], "large": [lat1.a, lat1.c]}, "rows": rows, "summary": summary}
     path = write_json("dtmc_validation", data)
     _plot(rows, ns)
-    lines = ["| N | B1 | predicted tok/s | measured tok/s | error |", "|---|---|---|---|---|"]
-    lines += [f"| {r['N']} | {r['B1']} | {r['predicted']:.1f} | {r['measured']:.1f} | {r['error']:+.1%} |" for r in rows]
+    lines = [f"Step times (ms, L(b) = a + c b): profiled small {profiled[0].a * 1e3:.2f} + {profiled[0].c * 1e3:.3f} b, "
+             f"large {profiled[1].a * 1e3:.2f} + {profiled[1].c * 1e3:.3f} b; with the loop's work per step small "
+             f"{lat0.a * 1e3:.2f} + {lat0.c * 1e3:.3f} b, large {lat1.a * 1e3:.2f} + {lat1.c * 1e3:.3f} b.", "",
+             "| N | B1 | predicted tok/s | measured tok/s | error | error, profile only |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['N']} | {r['B1']} | {r['predicted']:.1f} | {r['measured']:.1f} | {r['error']:+.1%} "
+              f"| {r['error_profile_only']:+.1%} |" for r in rows]
     lines += ["", "| N | best B1 predicted | best B1 measured | measured loss at predicted best | max error |",
               "|---|---|---|---|---|"]
     lines += [f"| {s['N']} | {s['best_B1_predicted']} | {s['best_B1_measured']} | {s['measured_gap_of_predicted_best']:.1%} "

@@ -15,7 +15,6 @@ hops + forward): what the runtime would reach if it added nothing else.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import cProfile
 import io
 import os
@@ -154,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                for k, m in o["models"].items()}
         B = tuple(thresholds[n][k] for k in SIM_MS) if mode == "delayed" else (1,) * len(SIM_MS)
         d, e = predicted(eff, n, B)
-        print(f"  steps as run: " + ", ".join(f"{k} {v:.2f} ms" for k, v in eff.items()) +
+        print("  steps as run: " + ", ".join(f"{k} {v:.2f} ms" for k, v in eff.items()) +
               f"; the throughput model at them: {d if mode == 'delayed' else e:.1f} tok/s "
               f"(measured {o['tok_s']:.1f}: {100 * o['tok_s'] / (d if mode == 'delayed' else e):.0f} %)")
         if prof:

@@ -301,6 +301,47 @@ def test_tuner_resolves_on_drift(caplog: pytest.LogCaptureFixture) -> None:
     assert tuner.maybe_resolve() is False  # no new data since
 
 
+def test_tuner_resolves_when_the_step_cost_moves_the_step_times() -> None:
+    """The runtime's work around each step (measured while serving) is a per-step cost: one that
+    moves a model's step time by more than cost_margin re-solves with L + cost, with no routing
+    drift; one inside the margin does not."""
+    cfg = TunerConfig.build(R2R_P, R2R_C, R2R_L, 4, delta=1e-3, cost_margin=0.02)
+    tuner = Tuner(cfg)
+    small_cost = [LatencyModel(0.05e-3, 0.002e-3), LatencyModel(0.1e-3, 0.0)]  # < 2% of 6 ms and of 27.9 ms
+    assert tuner.propose(np.zeros((2, 2)), step_cost=small_cost) is None
+    cost = [LatencyModel(1e-3, 0.05e-3), LatencyModel(1e-3, 0.05e-3)]  # a quantum (1 ms) more per step
+    p = tuner.propose(np.zeros((2, 2)), step_cost=cost)
+    assert p is not None and p.cost_moved and not p.drift.drifted
+    assert p.solved.latency == tuner.with_step_cost(cost)
+    assert p.solved.latency[0](1) == pytest.approx(7.05e-3)
+    np.testing.assert_array_equal(p.solved.P, tuner.solved_P)  # the routing stays what it was solved for
+    plain = [r.best_throughput for r in tuner.table.rows]
+    slower = [r.best_throughput for r in p.solved.table.rows]
+    assert all(s < q for s, q in zip(slower, plain))  # longer steps: fewer tokens/s at every N
+    tuner.adopt(p)
+    assert tuner.last is p and tuner.latency == p.solved.latency
+    assert tuner.propose(np.zeros((2, 2)), step_cost=cost) is None  # solved with it now
+    with pytest.raises(ValueError, match="step_cost has 1 models"):
+        tuner.with_step_cost(cost[:1])
+
+
+def test_step_cost_service_fits_the_loop_work_per_step() -> None:
+    from aiorouter.tuning.service import MIN_STEP_SAMPLES, TuningService
+
+    svc = TuningService(["small", "large"], (np.array(R2R_P), np.array(R2R_C)), 4, 4, lambda t, m: None)
+    rng = np.random.default_rng(0)
+    for k in range(MIN_STEP_SAMPLES):
+        b = int(rng.integers(1, 5))
+        svc.observe_step(0, b, 0.2e-3 + 0.05e-3 * b + rng.normal(0, 1e-6))
+        if k < MIN_STEP_SAMPLES - 1:
+            svc.observe_step(1, 1, 0.3e-3)
+    assert svc.step_costs() is None  # the large model is one step short
+    svc.observe_step(1, 1, 0.3e-3)
+    small, large = svc.step_costs()
+    assert small.a == pytest.approx(0.2e-3, rel=0.05) and small.c == pytest.approx(0.05e-3, rel=0.05)
+    assert large.a == pytest.approx(0.3e-3) and large.c == 0.0  # one batch size: its mean
+
+
 # --------------------------------------------------------------------------
 # CLI
 

@@ -33,6 +33,10 @@ class LatencyModel:
     def __call__(self, batch_size: int) -> float:
         return self.a + self.c * batch_size
 
+    def __add__(self, other: "LatencyModel") -> "LatencyModel":
+        """Two costs paid one after the other in every step (a model's step and the loop's work around it)."""
+        return LatencyModel(self.a + other.a, self.c + other.c)
+
     @property
     def is_constant(self) -> bool:
         return self.c == 0.0
@@ -90,6 +94,18 @@ def fit_latency(batch_sizes: Sequence[float], seconds: Sequence[float]) -> Laten
     elif a < 0:  # line through the origin
         a, c = 0.0, float(b @ y / (b @ b))
     return LatencyModel(a=float(max(a, 0.0)), c=float(max(c, 0.0)))
+
+
+def fit_samples(batch_sizes: Sequence[float], seconds: Sequence[float]) -> LatencyModel:
+    """`fit_latency` over raw samples (one per step), or their mean where every sample has one batch
+    size (a line needs two): the chain wants each step's mean cost, and least squares over the
+    samples fits the means per batch size, each weighted by how often it occurred."""
+    if len(seconds) == 0:
+        raise ValueError("fit_samples needs at least one sample")
+    if np.unique(np.asarray(batch_sizes, dtype=float)).size < 2:
+        return LatencyModel(max(float(np.mean(seconds)), 1e-9), 0.0)  # (a cost of exactly 0 is no model)
+    fit = fit_latency(batch_sizes, seconds)
+    return fit if fit.a + fit.c > 0 else LatencyModel(1e-9, 0.0)
 
 
 @dataclass(frozen=True)

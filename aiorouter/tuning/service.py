@@ -1,7 +1,8 @@
 """The tuner's lifecycle inside a running router: profile each model (its step latency, and how much
 the models slow each other when they share hardware), solve the schedule per concurrency in the
-background (the router serves with B = 1 meanwhile), feed it the routes actually taken, and
-re-solve off the event loop when they drift from what the schedule was solved for.
+background (the router serves with B = 1 meanwhile), feed it the routes actually taken and the
+runtime's own work around each step, and re-solve off the event loop when either moves away from
+what the schedule was solved for.
 
 It sees models only through profiling callables and hands the schedule to a setter, so it stays
 free of torch and of the router's internals.
@@ -11,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 
 from .contention import Contention
-from .latency import LatencyModel, fit_latency
+from .latency import LatencyModel, fit_latency, fit_samples
 from .online import TuningCancelled
 from .quantum import DEFAULT_TABLE_STATES, choose_delta
 from .tuner import Tuner, TunerConfig
@@ -30,6 +32,8 @@ Table = dict[int, tuple[int, ...]]  # concurrency N -> B per model
 Modes = dict[int, str]  # concurrency N -> "delayed", "eager" or "sync"
 
 RESOLVE_EVERY = 2000  # routing decisions between drift checks
+STEP_SAMPLES = 1000  # per model: the runtime's work around its last this many steps ...
+MIN_STEP_SAMPLES = 100  # ... of which a step cost needs this many
 
 
 class TuningService:
@@ -52,6 +56,8 @@ class TuningService:
         self._task: asyncio.Task | None = None
         self._resolving: asyncio.Task | None = None
         self._decisions = 0
+        # per model: (batch size, seconds of the event loop's work around that step)
+        self._steps: list[deque[tuple[int, float]]] = [deque(maxlen=STEP_SAMPLES) for _ in self.names]
 
     async def start(self, profilers: Sequence[Profiler], contention: ContentionProfiler | None = None) -> None:
         """Profile every model (in its own worker: with the threads it serves with) and their
@@ -146,19 +152,34 @@ class TuningService:
         if self._decisions % self.resolve_every == 0 and self._resolving is None and not self._closing:
             self._resolving = asyncio.get_running_loop().create_task(self._resolve())
 
-    def _resolve_blocking(self) -> tuple[bool, bool]:
+    def observe_step(self, model: int, batch: int, seconds: float) -> None:
+        """The event loop's own work around one step of `model` (scheduling before the hop to the
+        worker; finishing, routing and committing after it; handling the messages that made it
+        ready). The start-up profile times the step and the hop; this is the rest of what a model's
+        step costs in the runtime, and the chain takes it as a per-step cost (`step_costs`)."""
+        self._steps[model].append((batch, seconds))
+
+    def step_costs(self) -> list[LatencyModel] | None:
+        """Per model, the loop's work per step as L(b) = a + c * b over the recent steps; None until
+        every model has stepped MIN_STEP_SAMPLES times."""
+        if any(len(d) < MIN_STEP_SAMPLES for d in self._steps):
+            return None
+        return [fit_samples([b for b, _ in d], [t for _, t in d]) for d in (list(d) for d in self._steps)]
+
+    def _resolve_blocking(self, step_costs: list[LatencyModel] | None) -> tuple[bool, bool]:
         """(thread) -> (a re-solve ran, it changed the schedule at some N)."""
         before = self.tuner.table
-        changed = self.tuner.maybe_resolve()
+        changed = self.tuner.maybe_resolve(step_costs)
         return self.tuner.table is not before, changed
 
     async def _resolve(self) -> None:
         try:
             t0 = time.perf_counter()
-            ran, changed = await asyncio.to_thread(self._resolve_blocking)
+            # the step samples are read here, on the loop that appends them
+            ran, changed = await asyncio.to_thread(self._resolve_blocking, self.step_costs())
             if ran:
                 self.resolves += 1
-                log.info("routing drifted: re-solved in %.2fs%s", time.perf_counter() - t0,
+                log.info("routing or step times moved: re-solved in %.2fs%s", time.perf_counter() - t0,
                          f"; now {self.describe()}" if changed else "; the schedule stays (gain within the noise)")
             if changed and not self._closing:
                 self.swaps += 1

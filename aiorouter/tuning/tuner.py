@@ -3,9 +3,12 @@
 It solves the threshold table (every feasible B, every N up to the cap) with the contention the
 models were measured to have, predicts step-sync beside it, and names per N the best of delayed
 (B*), eager and sync (`schedules.choose_schedule`).  When the routing drifts from the P it was
-solved for (`drift.routing_drift`), `propose` solves again for the observed P (re-choosing the
-quantum from the state budget when configured) and keeps, per N, the current choice unless the
-new one is predicted to beat it, under the new P, by more than `min_gain`.  `adopt` swaps it in.
+solved for (`drift.routing_drift`), or the runtime's own work per step (`step_cost`: the event
+loop's scheduling, routing and commits around each step, measured while serving) moves a model's
+step time by more than `cost_margin`, `propose` solves again for the observed P and step times
+(re-choosing the quantum from the state budget when configured) and keeps, per N, the current
+choice unless the new one is predicted to beat it, under the new inputs, by more than `min_gain`.
+`adopt` swaps it in.
 These are plain calls; when to make them (in a background thread, how often) is the caller's.
 """
 
@@ -56,13 +59,15 @@ class TunerConfig:
     # throughput of one schedule moves by ~3 % between runs on the bench machine.
     min_gain: float = 0.03
     sync_margin: float = 0.0  # sync must beat delayed by more than this to be chosen
+    # A step cost that moves a model's L(1) or L(cap) by more than this share calls for a re-solve
+    cost_margin: float = 0.02
 
     @classmethod
     def build(cls, P: object, C: object, latency: Sequence[LatencyLike], max_concurrency: int,
               **kw: object) -> "TunerConfig":
         spec = ModelSpec.build(P, C, list(latency), kw.pop("delta", DEFAULT_DELTA),  # type: ignore[arg-type]
                                kw.pop("contention", None))  # type: ignore[arg-type]
-        for name in ("min_gain", "sync_margin", "drift_margin", "drift_z"):
+        for name in ("min_gain", "sync_margin", "drift_margin", "drift_z", "cost_margin"):
             if name in kw and not float(kw[name]) >= 0:  # type: ignore[arg-type]
                 raise ValueError(f"TunerConfig.{name} must be >= 0, got {kw[name]!r}")
         return cls(P=spec.P, C=spec.C, latency=spec.latency, max_concurrency=check_concurrency(max_concurrency),
@@ -76,6 +81,7 @@ class Solved:
     P: np.ndarray
     C: np.ndarray
     delta: float
+    latency: tuple[LatencyModel, ...]  # what each model's step cost in the chain (profile + step cost)
     table: ThresholdTable
     schedules: dict[int, Schedule]
 
@@ -83,9 +89,10 @@ class Solved:
 @dataclass(frozen=True)
 class Proposal:
     """A re-solve after drift.  `changed`: the N whose schedule it swaps (empty: the predicted
-    gains stayed within `min_gain`; adopting it still moves the reference P)."""
+    gains stayed within `min_gain`; adopting it still moves the reference P and step times)."""
 
     drift: RoutingDrift
+    cost_moved: bool  # the step times moved (with or without routing drift)
     solved: Solved
     gains: dict[int, float]  # per N: new choice over the current one, both under the new P, minus 1
     changed: tuple[int, ...]
@@ -105,7 +112,8 @@ class Tuner:
         self.estimator = RoutingEstimator(cfg.P, cfg.C, cfg.prior_strength)
         self._lock = threading.Lock()
         self._mark = self.estimator.totals()
-        self._solved = self.solve(np.array(cfg.P), np.array(cfg.C), cfg.delta, "start")
+        self.last: Proposal | None = None  # the last proposal adopted (why it re-solved, what it changed)
+        self._solved = self.solve(np.array(cfg.P), np.array(cfg.C), cfg.delta, "start", cfg.latency)
 
     # -- what to run ---------------------------------------------------------------------------
     @property
@@ -120,6 +128,11 @@ class Tuner:
     def delta(self) -> float:
         return self._solved.delta
 
+    @property
+    def latency(self) -> tuple[LatencyModel, ...]:
+        """The step times the current schedule was solved with (the profile, plus any step cost)."""
+        return self._solved.latency
+
     def schedule(self, N: int) -> Schedule:
         """The schedule for N requests in flight (N above the cap uses the cap's)."""
         return self._solved.schedules[min(check_concurrency(N), self.config.max_concurrency)]
@@ -133,13 +146,16 @@ class Tuner:
         self.estimator.observe(src, dst, tokens)
 
     # -- solving -------------------------------------------------------------------------------
-    def spec(self, P: np.ndarray, C: np.ndarray, delta: float) -> ModelSpec:
-        return ModelSpec.build(P, C, list(self.config.latency), delta, self.config.contention)
+    def spec(self, P: np.ndarray, C: np.ndarray, delta: float,
+             latency: Sequence[LatencyModel] | None = None) -> ModelSpec:
+        return ModelSpec.build(P, C, list(latency or self.config.latency), delta, self.config.contention)
 
-    def solve(self, P: np.ndarray, C: np.ndarray, delta: float, why: str) -> Solved:
-        """Threshold table and schedules for N = 1..cap (blocking; seconds)."""
+    def solve(self, P: np.ndarray, C: np.ndarray, delta: float, why: str,
+              latency: Sequence[LatencyModel] | None = None) -> Solved:
+        """Threshold table and schedules for N = 1..cap (blocking; seconds). `latency`: the step
+        times to solve with (default: the profiled ones)."""
         cfg = self.config
-        spec = self.spec(P, C, delta)
+        spec = self.spec(P, C, delta, latency)
         t0, rows, schedules = time.perf_counter(), [], {}
         for n in range(1, cfg.max_concurrency + 1):
             if self.should_stop is not None and self.should_stop():
@@ -160,13 +176,30 @@ class Tuner:
             log.info("B* (%s) N=%d: B=%s predicted %.1f tokens/s (eager %.1f, sync %.1f): run %s",
                      why, row.N, row.best, row.best_throughput, s.eager, s.sync, s.choice)
         log.info("threshold table for N=1..%d solved in %.2fs", cfg.max_concurrency, table.seconds)
-        return Solved(np.array(P, dtype=float), np.array(C, dtype=float), float(delta), table, schedules)
+        return Solved(np.array(P, dtype=float), np.array(C, dtype=float), float(delta), spec.latency, table, schedules)
 
-    def propose(self, counts: np.ndarray | None = None, tokens: np.ndarray | None = None) -> Proposal | None:
-        """Re-solve if the routing drifted; None if it did not (or no quantum fits the budget).
+    def with_step_cost(self, step_cost: Sequence[LatencyModel]) -> tuple[LatencyModel, ...]:
+        """Each model's profiled step time plus the runtime's own work per step (`step_cost`)."""
+        if len(step_cost) != len(self.config.latency):
+            raise ValueError(f"step_cost has {len(step_cost)} models, the tuner {len(self.config.latency)}")
+        return tuple(lat + cost for lat, cost in zip(self.config.latency, step_cost))
+
+    def _cost_moved(self, latency: Sequence[LatencyModel]) -> bool:
+        """Does any model's step time at batch 1 or at the cap differ from the solved one by more than
+        `cost_margin`?"""
+        cap = self.config.max_concurrency
+        return any(abs(new(b) - old(b)) > self.config.cost_margin * old(b)
+                   for new, old in zip(latency, self._solved.latency) for b in (1, cap))
+
+    def propose(self, counts: np.ndarray | None = None, tokens: np.ndarray | None = None,
+                step_cost: Sequence[LatencyModel] | None = None) -> Proposal | None:
+        """Re-solve if the routing drifted or the step times moved; None if neither did (or no quantum
+        fits the budget).
 
         `counts` (M x M decisions i -> j) and `tokens` (tokens they committed) default to the
-        estimator's decisions since the last solve.  Blocking (a full solve, seconds)."""
+        estimator's decisions since the last solve.  `step_cost`: per model, the runtime's work
+        around each step as measured while serving (None: keep the step times solved with).
+        Blocking (a full solve, seconds)."""
         cfg = self.config
         if counts is None:
             now = self.estimator.totals()
@@ -174,24 +207,29 @@ class Tuner:
         counts = np.asarray(counts, dtype=float)
         cur = self._solved
         drift = routing_drift(cur.P, counts, margin=cfg.drift_margin, z=cfg.drift_z, min_row=cfg.drift_min_row)
-        if not drift.drifted:
+        latency = self.with_step_cost(step_cost) if step_cost is not None else cur.latency
+        cost_moved = self._cost_moved(latency)
+        if not drift.drifted and not cost_moved:
             return None
-        C = cur.C.copy()
-        if tokens is not None:
+        P, C = (drift.observed_P, cur.C.copy()) if drift.drifted else (cur.P, cur.C)
+        if drift.drifted and tokens is not None:
             ok = counts >= cfg.drift_min_row
             C[ok] = np.asarray(tokens, dtype=float)[ok] / counts[ok]
         delta = cur.delta
         if cfg.table_states is not None:
             try:
-                delta = choose_delta(drift.observed_P, list(cfg.latency), cfg.max_concurrency,
-                                     table_states=cfg.table_states, max_states=cfg.max_states,
-                                     contention=cfg.contention).delta
+                delta = choose_delta(P, list(latency), cfg.max_concurrency, table_states=cfg.table_states,
+                                     max_states=cfg.max_states, contention=cfg.contention).delta
             except ValueError as e:
-                log.warning("routing drifted but no quantum fits the state budget (%s); keeping B", e)
+                log.warning("routing or step times moved but no quantum fits the state budget (%s); keeping B", e)
                 return None
-        log.info("routing drifted (P[%d][%d] moved %.3f, %.1f standard errors, %d decisions); re-solving",
-                 *(drift.entry or (0, 0)), drift.moved, drift.z_score, drift.decisions)
-        new = self.solve(drift.observed_P, C, delta, "re-solve")
+        if drift.drifted:
+            log.info("routing drifted (P[%d][%d] moved %.3f, %.1f standard errors, %d decisions); re-solving",
+                     *(drift.entry or (0, 0)), drift.moved, drift.z_score, drift.decisions)
+        if cost_moved:
+            log.info("step times moved with the runtime's work per step (L(1): %s ms); re-solving",
+                     ", ".join(f"{o(1) * 1e3:.2f} -> {n(1) * 1e3:.2f}" for o, n in zip(cur.latency, latency)))
+        new = self.solve(P, C, delta, "re-solve", latency)
         schedules, gains, changed = {}, {}, []
         for N, ns in new.schedules.items():
             old = cur.schedules[N]
@@ -206,22 +244,23 @@ class Tuner:
                 changed.append(N)
             else:
                 schedules[N] = replace(ns, mode=old.mode, thresholds=old.thresholds, predicted=old_now)
-        return Proposal(drift, replace(new, schedules=schedules), gains, tuple(changed))
+        return Proposal(drift, cost_moved, replace(new, schedules=schedules), gains, tuple(changed))
 
     def adopt(self, proposal: Proposal) -> None:
         """Make a proposal current; later drift is measured from its P and from now on."""
         with self._lock:
             self._solved = proposal.solved
             self._mark = self.estimator.totals()
+            self.last = proposal
 
-    def maybe_resolve(self) -> bool:
-        """propose() on the decisions since the last solve (once there are enough) and adopt it.
-        True when some N's schedule changed."""
+    def maybe_resolve(self, step_cost: Sequence[LatencyModel] | None = None) -> bool:
+        """propose() on the decisions since the last solve (once there are enough) and on the
+        measured `step_cost`, and adopt it. True when some N's schedule changed."""
         with self._lock:
             now = self.estimator.totals()
             if now[0].sum() - self._mark[0].sum() < self.config.min_new_observations:
                 return False
-        p = self.propose()
+        p = self.propose(step_cost=step_cost)
         if p is None:
             return False
         self.adopt(p)
