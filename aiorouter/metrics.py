@@ -13,6 +13,10 @@ class ModelMetrics:
     admission_delay_sum: float = 0.0  # seconds between becoming ready and joining a launched batch
     admission_delay_count: int = 0
     step_time_sum: float = 0.0
+    # the runtime's cost per step beyond the forward itself (see Subserver.step), over `timed_steps`
+    loop_time_sum: float = 0.0  # the event loop's work for the step, before and after the worker runs it
+    hop_time_sum: float = 0.0  # the hop to the worker thread and back
+    timed_steps: int = 0
     kv_pages_used: int = 0
     kv_pages_total: int = 0
     queue_len: int = 0  # ready (waiting + running) sequences
@@ -23,6 +27,11 @@ class ModelMetrics:
         self.batch_sizes[batch_size] += 1
         self.step_time_sum += seconds
 
+    def record_overhead(self, loop_seconds: float, hop_seconds: float) -> None:
+        self.loop_time_sum += loop_seconds
+        self.hop_time_sum += hop_seconds
+        self.timed_steps += 1
+
     def record_admission(self, delay: float) -> None:
         self.admission_delay_sum += delay
         self.admission_delay_count += 1
@@ -30,6 +39,12 @@ class ModelMetrics:
     @property
     def mean_admission_delay(self) -> float:
         return self.admission_delay_sum / max(1, self.admission_delay_count)
+
+    @property
+    def mean_overhead(self) -> tuple[float, float]:
+        """(loop, hop) seconds per step, mean over the timed steps."""
+        n = max(1, self.timed_steps)
+        return self.loop_time_sum / n, self.hop_time_sum / n
 
     @property
     def mean_batch_size(self) -> float:
@@ -58,6 +73,7 @@ class RouterMetrics:
             "models": {name: {"tokens_committed": m.tokens_committed, "steps": m.steps,
                               "mean_batch_size": m.mean_batch_size, "batch_sizes": dict(m.batch_sizes),
                               "mean_admission_delay_s": m.mean_admission_delay,
+                              "mean_loop_s": m.mean_overhead[0], "mean_hop_s": m.mean_overhead[1],
                               "kv_pages_used": m.kv_pages_used, "kv_pages_total": m.kv_pages_total,
                               "queue_len": m.queue_len, "pending": m.pending}
                        for name, m in self.models.items()},

@@ -109,7 +109,7 @@ class Subserver:
         """Schedule, run and route one batch. False when nothing could be scheduled. `since`: when
         the loop's work towards this step began (the messages that made it ready, handled first)."""
         self.launch.started(self.index)
-        parts: list = []
+        parts: list[tuple[list[ScheduledSeq], ForwardOutput, float]] = []
         t0 = t_back = since = since or time.perf_counter()
         try:
             batch = self.engine.schedule()
@@ -119,11 +119,11 @@ class Subserver:
             self._admitted(batch, t0)
             parts = await self._isolating(batch)
             t_back = time.perf_counter()
-            for part, out in parts:
+            for part, out, _ in parts:
                 self.engine.finish(part, out)
             if parts:  # one step, however many parts isolation ran it in
-                self.metrics.record_step(sum(len(p) for p, _ in parts), time.perf_counter() - t0)
-            for _, out in parts:
+                self.metrics.record_step(sum(len(p) for p, _, _ in parts), time.perf_counter() - t0)
+            for _, out, _ in parts:
                 for row in out.bad_rows:
                     req = out.seqs[row].user_data
                     self.requests.fail(req, RouterError(
@@ -134,20 +134,24 @@ class Subserver:
         finally:
             self.launch.ended(self.index)
             self._report()
-            if self.observe_step is not None and len(parts) == 1:  # (a step rerun in parts is not a step's cost)
-                # the loop's own work for this step, before the hop to the worker and after it (the
-                # hop and the forward are what the start-up profile timed)
-                self.observe_step(self.index, len(batch), (t0 - since) + (time.perf_counter() - t_back))
+            if len(parts) == 1:  # (a step rerun in parts is not a step's cost)
+                # What this step cost beyond its forward: the loop's work before the hop to the
+                # worker and after it, and the hop each way. The tuner's start-up profile times
+                # the forward and the hop; the loop's work is the rest (observe_step).
+                loop = (t0 - since) + (time.perf_counter() - t_back)
+                self.metrics.record_overhead(loop, (t_back - t0) - parts[0][2])
+                if self.observe_step is not None:
+                    self.observe_step(self.index, len(batch), loop)
 
-    async def _isolating(self, batch: list[ScheduledSeq]) -> list[tuple[list[ScheduledSeq], ForwardOutput]]:
-        """Run the batch -> [(part, its output)]. A step that raises is run again in halves, so a
-        sequence that makes steps fail fails alone (about 2*log2(B) extra steps for one such
-        sequence in a batch of B) and the rest of the batch goes on. Rerunning is sound: a step
+    async def _isolating(self, batch: list[ScheduledSeq]) -> list[tuple[list[ScheduledSeq], ForwardOutput, float]]:
+        """Run the batch -> [(part, its output, seconds the worker took)]. A step that raises is run
+        again in halves, so a sequence that makes steps fail fails alone (about 2*log2(B) extra
+        steps for one such sequence in a batch of B) and the rest of the batch goes on. Rerunning is sound: a step
         that raised committed nothing (`finish` did not run), so its sequences compute the same
         positions again and rewrite their K/V slots with the same values. (A seeded sampled
         request that is rerun draws again, so its tokens are then not batch-independent.)"""
         try:
-            return [(batch, await self._run(batch))]
+            return [(batch, *await self._run(batch))]
         except Exception as e:
             if len(batch) == 1:
                 req = batch[0].seq.user_data
@@ -159,12 +163,17 @@ class Subserver:
         half = len(batch) // 2
         return await self._isolating(batch[:half]) + await self._isolating(batch[half:])
 
-    async def _run(self, batch: list[ScheduledSeq]) -> ForwardOutput:
-        """The forward in this model's worker thread. On CUDA the runner launches on the model's own
-        stream(s) and waits for the step's event in that thread, so the loop and the other models'
-        steps go on meanwhile (engines/runner.py)."""
+    async def _run(self, batch: list[ScheduledSeq]) -> tuple[ForwardOutput, float]:
+        """The forward in this model's worker thread -> (output, seconds it took there). On CUDA the
+        runner launches on the model's own stream(s) and waits for the step's event in that thread,
+        so the loop and the other models' steps go on meanwhile (engines/runner.py)."""
         want_hidden = any(s.user_data.policy.needs_hidden for s, _ in batch)
-        return await self.in_worker(self._execute, batch, want_hidden)
+        return await self.in_worker(self._timed_execute, batch, want_hidden)
+
+    def _timed_execute(self, batch: list[ScheduledSeq], want_hidden: bool) -> tuple[ForwardOutput, float]:
+        t = time.perf_counter()
+        out = self._execute(batch, want_hidden)
+        return out, time.perf_counter() - t
 
     def _admitted(self, batch: list[ScheduledSeq], now: float) -> None:
         for seq, _ in batch:

@@ -40,7 +40,7 @@ from tqdm import tqdm
 from aiorouter import Router
 from bench import workloads as W
 from bench.common import RESULTS, OutsideLoad, cache_dir, closed_loop, machine
-from bench.modes_model import observed_routing, predict, predicted_for, profile_pair
+from bench.modes_model import observed_overhead, observed_routing, predict, predicted_for, profile_pair
 from bench.run import PAIRS, _computed, load_pair
 
 WARMUP_TOKENS = 16
@@ -86,6 +86,7 @@ async def run_once(pair, mode: str, n: int, prompts: list, tokens: int, total: i
         await closed_loop(lambda p: send(p, WARMUP_TOKENS), n, W.warmup_prompts(n, vocab=pair.vocab), n)
         for m in r.metrics.models.values():  # measure the run only
             m.steps, m.step_time_sum = 0, 0.0
+            m.loop_time_sum, m.hop_time_sum, m.timed_steps = 0.0, 0.0, 0
             m.batch_sizes.clear()
         r.metrics.handoffs.clear()
         computed = _computed(r)
@@ -99,6 +100,9 @@ async def run_once(pair, mode: str, n: int, prompts: list, tokens: int, total: i
         out["mean_batch"] = {k: m.mean_batch_size for k, m in r.metrics.models.items()}
         out["step_ms"] = {k: 1e3 * m.step_time_sum / max(1, m.steps) for k, m in r.metrics.models.items()}
         out["busy"] = {k: m.step_time_sum / res.seconds for k, m in r.metrics.models.items()}
+        # the runtime's cost per step beyond the forward (event-loop work, thread hop), ms, and over how many steps
+        out["overhead_ms"] = {k: {"loop": 1e3 * m.mean_overhead[0], "hop": 1e3 * m.mean_overhead[1],
+                                  "steps": m.timed_steps} for k, m in r.metrics.models.items()}
         if mode == "delayed":
             out["thresholds"] = r.thresholds(n)
             out["schedule"] = r.schedule(n)  # with thresholds="auto": the tuner's choice at N
@@ -174,7 +178,8 @@ def main(argv=None) -> int:
             results[f"{mode}@{n}"] = run(mode, n, total, ones)
         seen = [results[f"{m}@{n}"] for m in ("sync", "eager") if f"{m}@{n}" in results]
         P, tau = observed_routing(seen, prof.names) if seen else (tpl_P, np.ones(2))
-        pred = predictions[n] = predict(prof, P, tpl_C, tau, n)
+        overhead = observed_overhead(seen, prof.names) if seen else np.zeros(2)
+        pred = predictions[n] = predict(prof, P, tpl_C, tau, n, overhead)
         if "delayed" in modes:
             if args.delayed_thresholds == "model":
                 # delayed batching is the best schedule the model finds: delayed(B*), eager or sync

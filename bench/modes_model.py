@@ -7,8 +7,12 @@ Inputs of a prediction, and where each comes from:
 - contention kappa_ij(b_i, b_j): profiled here with `CoreShare` in place (cached by model files);
 - routing matrix P and tokens computed per request-step tau_i (catch-up extends and first-visit
   prompts make it > 1): observed in the eager and sync runs at the same N, as the router's online
-  estimator observes them (the policy's template P can be far off: smollm2's rstitch).
-The model never sees a measured throughput or step time.
+  estimator observes them (the policy's template P can be far off: smollm2's rstitch);
+- the runtime's own cost per step beyond the forward (the event loop's scheduling, routing and
+  commits, and the hop to the model's worker thread and back): observed in the same runs, as the
+  router measures it for its tuner (`ModelMetrics.mean_overhead`), and added to each step. On the
+  cpu-tiny pair it is ~0.3-0.5 ms against a ~3 ms small-model step.
+The model never sees a measured throughput or a measured forward time.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch
 from aiorouter.cpu_threads import CoreShare, plan_threads
 from aiorouter.tuning import (
     Contention,
+    LatencyModel,
     ModelSpec,
     SolveCache,
     StepCost,
@@ -104,11 +109,24 @@ def observed_routing(runs: list[dict], names: list[str]) -> tuple[np.ndarray, np
     return P, np.maximum(tau, 1.0)
 
 
+def observed_overhead(runs: list[dict], names: list[str]) -> np.ndarray:
+    """Seconds per step beyond the forward (loop work + hop), per model, pooled over runs."""
+    out = np.zeros(len(names))
+    for i, n in enumerate(names):
+        steps = sum(r["overhead_ms"][n]["steps"] for r in runs)
+        total = sum((r["overhead_ms"][n]["loop"] + r["overhead_ms"][n]["hop"]) * r["overhead_ms"][n]["steps"] for r in runs)
+        out[i] = 1e-3 * total / steps if steps else 0.0
+    return out
+
+
 def predict(profile: PairProfile, P: np.ndarray, C: np.ndarray, tau: np.ndarray, N: int,
-            table_states: int = 3_000_000) -> dict:
-    """Predicted tok/s of sync, eager and every feasible B at N, and the schedule the model picks."""
+            overhead: np.ndarray | None = None, table_states: int = 3_000_000) -> dict:
+    """Predicted tok/s of sync, eager and every feasible B at N, and the schedule the model picks.
+    `overhead`: per model, seconds the runtime adds to every step (observed_overhead)."""
     t0 = time.perf_counter()
-    lats = [c.latency(float(t)) for c, t in zip(profile.costs, tau)]
+    extra = np.zeros(len(profile.costs)) if overhead is None else np.asarray(overhead, dtype=float)
+    lats = [c.latency(float(t)) + LatencyModel(float(x), 0.0) if x > 0 else c.latency(float(t))
+            for c, t, x in zip(profile.costs, tau, extra)]
     con = None if profile.contention.is_zero else profile.contention
     # Only row N is solved here, so the budget is spent on it alone.
     choice = choose_delta(P, lats, N, table_states=table_states, contention=con, min_concurrency=N)
@@ -119,6 +137,7 @@ def predict(profile: PairProfile, P: np.ndarray, C: np.ndarray, tau: np.ndarray,
     # The same without contention: what the chain predicted before it modelled shared hardware.
     free = best_thresholds(ModelSpec.build(P, C, lats, choice.delta), N, cache=SolveCache())
     return {"delta_ms": 1e3 * choice.delta, "routing_P": P.round(4).tolist(), "tokens_per_step": tau.round(3).tolist(),
+            "overhead_ms": (1e3 * extra).round(3).tolist(),
             "latency_ms": [[1e3 * m.a, 1e3 * m.c] for m in lats],
             "best_thresholds": list(row.best), "best_tok_s": row.best_throughput,
             "eager_tok_s": sched.eager, "sync_tok_s": sync.throughput, "schedule": list(sched.choice[:1]) +

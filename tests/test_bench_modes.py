@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from bench.modes import summarise
-from bench.modes_model import observed_routing, predicted_for
+from bench.modes_model import observed_overhead, observed_routing, predicted_for
 
 
 def _run(steps, computed, handoffs):
@@ -20,6 +20,15 @@ def test_observed_routing_pools_runs():
     # A model that never stepped: it stays put, one token a step.
     P, tau = observed_routing([_run({"small": 10, "large": 0}, {"small": 10}, {})], ["small", "large"])
     assert P[1] == pytest.approx([0.0, 1.0]) and tau[1] == 1.0
+
+
+def test_observed_overhead_is_a_mean_per_step_over_runs():
+    def run(loop, hop, steps):
+        return {"overhead_ms": {"small": {"loop": loop, "hop": hop, "steps": steps},
+                                "large": {"loop": 0.5, "hop": 0.1, "steps": 0}}}
+    got = observed_overhead([run(0.2, 0.1, 100), run(0.4, 0.2, 300)], ["small", "large"])
+    assert got[0] == pytest.approx(1e-3 * (0.3 * 100 + 0.6 * 300) / 400)
+    assert got[1] == 0.0  # never stepped: nothing observed, nothing added
 
 
 def test_summary_reads_off_the_targets():

@@ -204,6 +204,9 @@ def test_router_learns_the_loop_work_per_step() -> None:
             for solved, profiled in zip(tuner.latency, tuner.config.latency):
                 assert solved(1) > profiled(1) and solved.c >= profiled.c
             np.testing.assert_allclose(tuner.solved_P, policy.routing_template()[0])
+            for m in r.metrics.models.values():  # every step timed: the loop's work and the hop, both > 0
+                loop, hop = m.mean_overhead
+                assert m.timed_steps == m.steps > 0 and loop > 0 and hop > 0
 
     asyncio.run(main())
 
