@@ -182,7 +182,8 @@ def describe(router) -> list[str]:
     n = router.max_concurrency
     for s in router.subservers:
         e = s.engine
-        lines.append(f"model {s.name}: {e.path or 'sim'} device={e.device} dtype={str(e.dtype).removeprefix('torch.')} "
+        quant = f" quantization={e.config.quantization}" if e.config.quantization else ""
+        lines.append(f"model {s.name}: {e.path or 'sim'} device={e.device} dtype={str(e.dtype).removeprefix('torch.')}{quant} "
                      f"kv_pages={e.kv_usage().pages_total}x{e.config.page_size} max_model_len={e.max_model_len} "
                      f"threshold(N=1)={router.thresholds(1)[s.name]} threshold(N={n})={router.thresholds(n)[s.name]}")
     return lines
