@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from engines.sampling import SamplingParams, _filter, _filter_batched, sample, sample_batched
 
@@ -64,3 +66,13 @@ def test_no_host_sync_on_cuda():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.shape == (8,) and out.device.type == "cuda"
+
+
+@given(rows=st.lists(st.lists(st.sampled_from([0.0, 1.5, -3.0, float("nan"), float("inf"), float("-inf")]),
+                              min_size=1, max_size=12), min_size=1, max_size=6).filter(lambda r: len({len(x) for x in r}) == 1),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_nonfinite_rows_by_max_and_min_equal_the_elementwise_check(rows, dtype):
+    """The max/min shortcut flags exactly the rows that hold a NaN or an infinity."""
+    from engines.sampling import nonfinite_rows
+    x = torch.tensor(rows, dtype=dtype)  # [B, V]
+    assert nonfinite_rows(x).tolist() == (~torch.isfinite(x).all(dim=-1)).tolist()
