@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from aiorouter.tuning import (
+    Contention,
     LatencyModel,
     ModelSpec,
     RoutingEstimator,
@@ -493,6 +494,54 @@ def test_power_fallback_equals_gmres(monkeypatch: pytest.MonkeyPatch) -> None:
     fallback = solve_dtmc(spec, 4, (1, 2, 1))
     assert fallback.throughput == pytest.approx(ref.throughput, rel=1e-7)
     assert fallback.utilisation == pytest.approx(ref.utilisation, rel=1e-6)
+
+
+def test_nearly_decomposable_chain_is_solved_by_the_tight_retry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain from a cpu-tiny start-up profile (contention measured; bench.run --quick) whose first
+    GMRES solution met the residual test with entries of -7e-6, and on which the power method then
+    ran for 20 minutes in a router's start-up solve. The retry at a tighter tolerance must solve it,
+    without the power method, to the censored chain's exact stationary vector (a dense solve)."""
+    import aiorouter.tuning._solver as solver
+    from aiorouter.tuning._blocks import solver_blocks, solver_order
+    from aiorouter.tuning._statespace import enumerate_chains
+    from aiorouter.tuning.dtmc import DEFAULT_TOL, chain_inputs
+    from aiorouter.tuning.spec import check_thresholds
+
+    kappa = [(1, 1, 0, 1, 0.39), (0, 1, 1, 1, 0.07), (1, 1, 0, 8, 0.35), (0, 8, 1, 1, 0.14),
+             (1, 16, 0, 1, 0.35), (0, 1, 1, 16, 0.12), (1, 16, 0, 8, 0.34), (0, 8, 1, 16, 0.07)]
+    spec = ModelSpec.build([[0.65, 0.35], [1.0, 0.0]], [[1.0, 0.0], [1.0, 0.0]],
+                           [LatencyModel(4.113e-3, 0.1249e-3), LatencyModel(62.377e-3, 3.9416e-3)],
+                           0.00037414207397839605, Contention.build(2, kappa))
+    N, B = 13, (1, 2)
+    first = []
+    real_fixed = solver._fixed_points
+
+    def checked(*a):
+        ok = real_fixed(*a)
+        first.append(bool(ok.all()))
+        return ok
+
+    def no_power(*a, **k):
+        raise AssertionError("the power method ran")
+
+    monkeypatch.setattr(solver, "_fixed_points", checked)
+    monkeypatch.setattr(solver, "power", no_power)
+    d_units, unit, kap, rmax = chain_inputs(spec, N)
+    cb = enumerate_chains(spec.p_array(), d_units, unit, N, [check_thresholds(B, 2, N)], 10**6, kappa=kap, rmax=rmax)
+    pi, _, _ = solver.stationary_batch(cb, d_units, tol=DEFAULT_TOL, P=spec.p_array())
+    assert first == [False, True]  # the first GMRES answer is refused; the retry's is taken
+    # Reference: the chain censored to its feedback states F, built column by column and solved densely.
+    order, nY = solver_order(cb, d_units)
+    pos = np.empty(cb.n, dtype=np.int64)
+    pos[order] = np.arange(cb.n)
+    lower, A_F = solver_blocks(cb, order, pos, nY)
+    nF = cb.n - nY
+    S = np.stack([lower.solve(A_F @ e)[nY:] for e in np.eye(nF)], axis=1)  # [nF, nF], column-stochastic
+    A = S - np.eye(nF)
+    A[0] = 1.0
+    ref = np.linalg.solve(A, np.eye(nF)[0])  # [nF]
+    got = pi[order[nY:]]
+    assert np.abs(got / got.sum() - ref).sum() < 1e-5
 
 
 def test_f_states_break_every_cycle() -> None:
