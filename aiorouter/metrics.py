@@ -1,8 +1,12 @@
 """Counters the runtime keeps; the server exports them (Prometheus) and benchmarks read them."""
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
+
+from aiorouter.tuning.served import StepSpan
+
+SPANS_KEPT = 2000  # per model: the last this many forwards' spans (aiorouter.tuning.served)
 
 
 @dataclass
@@ -17,6 +21,9 @@ class ModelMetrics:
     loop_time_sum: float = 0.0  # the event loop's work for the step, before and after the worker runs it
     hop_time_sum: float = 0.0  # the hop to the worker thread and back
     timed_steps: int = 0
+    # when the worker ran each recent forward, and what it computed: with the other models' spans,
+    # how much the models slowed each other while serving
+    spans: deque = field(default_factory=lambda: deque(maxlen=SPANS_KEPT))
     kv_pages_used: int = 0
     kv_pages_total: int = 0
     queue_len: int = 0  # ready (waiting + running) sequences
@@ -31,6 +38,9 @@ class ModelMetrics:
         self.loop_time_sum += loop_seconds
         self.hop_time_sum += hop_seconds
         self.timed_steps += 1
+
+    def record_span(self, span: StepSpan) -> None:
+        self.spans.append(span)
 
     def record_admission(self, delay: float) -> None:
         self.admission_delay_sum += delay

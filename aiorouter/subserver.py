@@ -20,6 +20,7 @@ from aiorouter.launch import LaunchControl
 from aiorouter.metrics import ModelMetrics
 from aiorouter.request import Handoff, NewRequest, Release, RouterError, RouterRequest, Wake
 from aiorouter.requests import RequestTable
+from aiorouter.tuning.served import StepSpan
 from engines import Engine
 from engines.runner import ForwardOutput, ScheduledSeq
 from policies.base import STAY, PeerReq, Policy, ReqView, StepResult
@@ -27,7 +28,7 @@ from policies.base import STAY, PeerReq, Policy, ReqView, StepResult
 log = logging.getLogger("aiorouter.subserver")
 
 RouteObserver = Callable[[int, int, int], None]  # (from model, to model, tokens committed)
-StepObserver = Callable[[int, int, float], None]  # (model, batch size, seconds of loop work around the step)
+StepObserver = Callable[[int, StepSpan, float, float], None]  # (model, its forward's span, seconds of loop work around it, of the hop)
 
 
 class Subserver:
@@ -109,7 +110,7 @@ class Subserver:
         """Schedule, run and route one batch. False when nothing could be scheduled. `since`: when
         the loop's work towards this step began (the messages that made it ready, handled first)."""
         self.launch.started(self.index)
-        parts: list[tuple[list[ScheduledSeq], ForwardOutput, float]] = []
+        parts: list[tuple[list[ScheduledSeq], ForwardOutput, StepSpan]] = []
         t0 = t_back = since = since or time.perf_counter()
         try:
             batch = self.engine.schedule()
@@ -137,14 +138,18 @@ class Subserver:
             if len(parts) == 1:  # (a step rerun in parts is not a step's cost)
                 # What this step cost beyond its forward: the loop's work before the hop to the
                 # worker and after it, and the hop each way. The tuner's start-up profile times
-                # the forward and the hop; the loop's work is the rest (observe_step).
-                loop = (t0 - since) + (time.perf_counter() - t_back)
-                self.metrics.record_overhead(loop, (t_back - t0) - parts[0][2])
+                # the forward and the hop; the loop's work is the rest (observe_step). The
+                # forward's own span, with the others', says how much the models slowed each
+                # other while serving (aiorouter.tuning.served).
+                span = parts[0][2]
+                loop, hop = (t0 - since) + (time.perf_counter() - t_back), (t_back - t0) - span.seconds
+                self.metrics.record_overhead(loop, hop)
+                self.metrics.record_span(span)
                 if self.observe_step is not None:
-                    self.observe_step(self.index, len(batch), loop)
+                    self.observe_step(self.index, span, loop, hop)
 
-    async def _isolating(self, batch: list[ScheduledSeq]) -> list[tuple[list[ScheduledSeq], ForwardOutput, float]]:
-        """Run the batch -> [(part, its output, seconds the worker took)]. A step that raises is run
+    async def _isolating(self, batch: list[ScheduledSeq]) -> list[tuple[list[ScheduledSeq], ForwardOutput, StepSpan]]:
+        """Run the batch -> [(part, its output, when the worker ran it)]. A step that raises is run
         again in halves, so a sequence that makes steps fail fails alone (about 2*log2(B) extra
         steps for one such sequence in a batch of B) and the rest of the batch goes on. Rerunning is sound: a step
         that raised committed nothing (`finish` did not run), so its sequences compute the same
@@ -163,17 +168,17 @@ class Subserver:
         half = len(batch) // 2
         return await self._isolating(batch[:half]) + await self._isolating(batch[half:])
 
-    async def _run(self, batch: list[ScheduledSeq]) -> tuple[ForwardOutput, float]:
-        """The forward in this model's worker thread -> (output, seconds it took there). On CUDA the
+    async def _run(self, batch: list[ScheduledSeq]) -> tuple[ForwardOutput, StepSpan]:
+        """The forward in this model's worker thread -> (output, when it ran there). On CUDA the
         runner launches on the model's own stream(s) and waits for the step's event in that thread,
         so the loop and the other models' steps go on meanwhile (engines/runner.py)."""
         want_hidden = any(s.user_data.policy.needs_hidden for s, _ in batch)
         return await self.in_worker(self._timed_execute, batch, want_hidden)
 
-    def _timed_execute(self, batch: list[ScheduledSeq], want_hidden: bool) -> tuple[ForwardOutput, float]:
+    def _timed_execute(self, batch: list[ScheduledSeq], want_hidden: bool) -> tuple[ForwardOutput, StepSpan]:
         t = time.perf_counter()
         out = self._execute(batch, want_hidden)
-        return out, time.perf_counter() - t
+        return out, StepSpan(t, time.perf_counter(), len(batch), sum(n for _, n in batch))
 
     def _admitted(self, batch: list[ScheduledSeq], now: float) -> None:
         for seq, _ in batch:

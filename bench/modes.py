@@ -2,7 +2,8 @@
 what the throughput model predicts for it (bench/modes_model.py says from what).
 
     python -m bench.modes --pair cpu-tiny|smollm2 [--concurrency 1,4,8,16] [--tokens 64]
-                          [--requests-per-client 2] [--sweep] [--delayed-thresholds model|auto]
+                          [--requests-per-client 2] [--min-requests 8] [--rounds 1] [--sweep]
+                          [--delayed-thresholds model|auto]
                           [--quiet-gate CORES] [--out DIR]
 
 Per N, in one invocation: sync and eager run first (thresholds 1); the model then solves for the
@@ -40,7 +41,8 @@ from tqdm import tqdm
 from aiorouter import Router
 from bench import workloads as W
 from bench.common import RESULTS, OutsideLoad, cache_dir, closed_loop, machine
-from bench.modes_model import observed_overhead, observed_routing, predict, predicted_for, profile_pair
+from bench.modes_model import (observed_overhead, observed_routing, predict, predicted_for, profile_pair,
+                               served_profile)
 from bench.run import PAIRS, _computed, load_pair
 
 WARMUP_TOKENS = 16
@@ -88,6 +90,7 @@ async def run_once(pair, mode: str, n: int, prompts: list, tokens: int, total: i
             m.steps, m.step_time_sum = 0, 0.0
             m.loop_time_sum, m.hop_time_sum, m.timed_steps = 0.0, 0.0, 0
             m.batch_sizes.clear()
+            m.spans.clear()
         r.metrics.handoffs.clear()
         computed = _computed(r)
         with OutsideLoad() as outside:
@@ -103,6 +106,7 @@ async def run_once(pair, mode: str, n: int, prompts: list, tokens: int, total: i
         # the runtime's cost per step beyond the forward (event-loop work, thread hop), ms, and over how many steps
         out["overhead_ms"] = {k: {"loop": 1e3 * m.mean_overhead[0], "hop": 1e3 * m.mean_overhead[1],
                                   "steps": m.timed_steps} for k, m in r.metrics.models.items()}
+        out["spans"] = {k: [tuple(x) for x in m.spans] for k, m in r.metrics.models.items()}
         if mode == "delayed":
             out["thresholds"] = r.thresholds(n)
             out["schedule"] = r.schedule(n)  # with thresholds="auto": the tuner's choice at N
@@ -112,18 +116,26 @@ async def run_once(pair, mode: str, n: int, prompts: list, tokens: int, total: i
 
 
 def summarise(n: int, results: dict, pred: dict, sweep: dict) -> dict:
-    t = {m: results[f"{m}@{n}"]["tok_s"] for m in ("sync", "eager", "delayed") if f"{m}@{n}" in results}
-    out = {"measured": t, "prediction_error": {m: results[f"{m}@{n}"]["predicted_tok_s"] / v - 1
-                                               for m, v in t.items() if v}}
+    """Whole-run tok/s decides delayed against sync and eager (what a user gets); the chain, a
+    steady-state model, is held to the steady window (`LoopResult.steady_tok_s`)."""
+    runs = {m: results[f"{m}@{n}"] for m in ("sync", "eager", "delayed") if f"{m}@{n}" in results}
+    t = {m: r["tok_s"] for m, r in runs.items()}
+    steady = {m: r["steady_tok_s"] for m, r in runs.items()}
+    out = {"measured": t, "steady": steady,
+           "prediction_error": {m: runs[m]["predicted_tok_s"] / v - 1 for m, v in steady.items() if v},
+           "startup_prediction_error": {m: runs[m]["startup_predicted_tok_s"] / v - 1 for m, v in steady.items() if v}}
     if "delayed" in t and ("sync" in t or "eager" in t):
         out["delayed_over_best_of_sync_eager"] = t["delayed"] / max(t.get("sync", 0), t.get("eager", 0))
+        out["steady_delayed_over_best"] = steady["delayed"] / max(steady.get("sync", 0), steady.get("eager", 0))
     if sweep:
-        best_meas = max(sweep, key=lambda b: sweep[b]["tok_s"])
         b_pred = ",".join(map(str, pred["best_thresholds"]))
-        out.update(best_B_measured=best_meas, best_B_predicted=b_pred,
-                   measured_loss_at_predicted_best=(1 - sweep[b_pred]["tok_s"] / sweep[best_meas]["tok_s"]
-                                                    if b_pred in sweep else None),
-                   sweep_prediction_error={b: pred["by_thresholds"][b] / v["tok_s"] - 1 for b, v in sweep.items()})
+        for key, tag in (("steady_tok_s", ""), ("tok_s", "whole_run_")):
+            best_meas = max(sweep, key=lambda b: sweep[b][key])
+            out.update({f"{tag}best_B_measured": best_meas,
+                        f"{tag}measured_loss_at_predicted_best": (1 - sweep[b_pred][key] / sweep[best_meas][key]
+                                                                  if b_pred in sweep else None)})
+        out.update(best_B_predicted=b_pred, best_B_startup=",".join(map(str, pred["startup"]["best_thresholds"])),
+                   sweep_prediction_error={b: pred["by_thresholds"][b] / v["steady_tok_s"] - 1 for b, v in sweep.items()})
     return out
 
 
@@ -147,7 +159,12 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="sync,eager,delayed")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--min-requests", type=int, default=8,
+                    help="at least this many requests a run: at N = 1, 2 requests (~2.5 s) moved a run by 15%%")
     ap.add_argument("--delayed-thresholds", choices=("model", "auto"), default="model")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run sync, eager and delayed this many times each, in turn, and report each one's "
+                         "median run (at N = 1 the three are one schedule, and runs of it differ by 5-8 %%)")
     ap.add_argument("--sweep", action="store_true", help="also run delayed at every large threshold 1..N")
     ap.add_argument("--quiet-gate", type=float, default=None, metavar="CORES",
                     help="measure only while other processes use fewer cores than this")
@@ -160,6 +177,8 @@ def main(argv=None) -> int:
     unknown = [m for m in modes if m not in ("sync", "eager", "delayed")]
     if unknown or not ns or min(ns) < 1:
         ap.error(f"modes must be sync, eager, delayed (got {unknown}) and N >= 1")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     pair = load_pair(args.pair)
     prompts = W.short_prompts(seed=0, count=64, vocab=min(pair.vocab, W.VOCAB))
     gate = args.quiet_gate
@@ -172,29 +191,52 @@ def main(argv=None) -> int:
     tpl_P, tpl_C = _template(pair)
     results, predictions, sweeps, summary = {}, {}, {}, {}
     for n in tqdm(ns, desc=f"modes {args.pair}"):
-        total = n * args.requests_per_client
+        total = max(n * args.requests_per_client, args.min_requests)
         ones = {"small": 1, "large": 1}
         for mode in [m for m in ("sync", "eager") if m in modes]:
             results[f"{mode}@{n}"] = run(mode, n, total, ones)
         seen = [results[f"{m}@{n}"] for m in ("sync", "eager") if f"{m}@{n}" in results]
         P, tau = observed_routing(seen, prof.names) if seen else (tpl_P, np.ones(2))
         overhead = observed_overhead(seen, prof.names) if seen else np.zeros(2)
-        pred = predictions[n] = predict(prof, P, tpl_C, tau, n, overhead)
+        # the schedule is picked on the profile refitted to the eager and sync runs' forwards (as
+        # a runtime re-solve would); the start-up profile's prediction is kept beside it
+        startup = predict(prof, P, tpl_C, tau, n, overhead)
+        served, fit = served_profile(prof, seen) if seen else (prof, None)
+        pred = predictions[n] = predict(served, P, tpl_C, tau, n, overhead)
+        pred["startup"] = startup
+        pred["served_fit"] = None if fit is None else {"scales": fit.scales, "kappa": fit.kappa, "steps": fit.steps}
         if "delayed" in modes:
             if args.delayed_thresholds == "model":
                 # delayed batching is the best schedule the model finds: delayed(B*), eager or sync
                 sched = pred["schedule"][0]
                 th = dict(zip(prof.names, pred["best_thresholds"] if sched == "delayed" else (1, 1)))
-                results[f"delayed@{n}"] = run("sync" if sched == "sync" else "delayed", n, total, th)
-                results[f"delayed@{n}"]["schedule"] = sched
+                delayed = lambda: run("sync" if sched == "sync" else "delayed", n, total, th)  # noqa: E731
             else:
-                results[f"delayed@{n}"] = run("delayed", n, total, "auto")
+                sched, delayed = None, lambda: run("delayed", n, total, "auto")  # noqa: E731
+            results[f"delayed@{n}"] = delayed()
+            if sched is not None:
+                results[f"delayed@{n}"]["schedule"] = sched
+            # more rounds, the three in turn: each mode's figure is its median run
+            more = {m: [results[f"{m}@{n}"]] for m in ("sync", "eager", "delayed") if f"{m}@{n}" in results}
+            for _ in range(args.rounds - 1):
+                for m in more:
+                    more[m].append(delayed() if m == "delayed" else run(m, n, total, ones))
+            if args.rounds > 1:
+                for m, runs in more.items():
+                    mid = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
+                    for r in runs:
+                        r.pop("spans", None)
+                    results[f"{m}@{n}"] = {**mid, "schedule": results[f"{m}@{n}"].get("schedule", m),
+                                           "rounds_tok_s": [r["tok_s"] for r in runs],
+                                           "rounds_steady_tok_s": [r["steady_tok_s"] for r in runs]}
+                    if m != "delayed":
+                        results[f"{m}@{n}"].pop("schedule")
         sweep = {}
         if args.sweep and n > 1:
             b0 = pred["best_thresholds"][0]
             for b1 in range(1, n - b0 + 2):  # feasible: (b0 - 1) + (b1 - 1) < n
                 r = run("delayed", n, total, {"small": b0, "large": b1})
-                sweep[f"{b0},{b1}"] = {k: r[k] for k in ("tok_s", "mean_batch", "busy", "step_ms", "load_avg",
+                sweep[f"{b0},{b1}"] = {k: r[k] for k in ("tok_s", "steady_tok_s", "mean_in_flight", "mean_batch", "busy", "step_ms", "load_avg",
                                                          "outside_load_cores")}
             sweeps[n] = sweep
         for key in [k for k in results if k.endswith(f"@{n}")]:
@@ -202,10 +244,13 @@ def main(argv=None) -> int:
             th = results[key].get("thresholds")
             b = tuple(th[x] for x in prof.names) if isinstance(th, dict) and mode == "delayed" else None
             results[key]["predicted_tok_s"] = predicted_for(pred, mode, b)
+            results[key]["startup_predicted_tok_s"] = predicted_for(pred["startup"], mode, b)
         summary[n] = summarise(n, results, pred, sweep)
         print(json.dumps({"N": n, **summary[n]}, default=float))
+        for key in [k for k in results if k.endswith(f"@{n}")]:
+            results[key].pop("spans", None)  # (thousands of spans a run: used above, not kept)
     data = {"machine": machine(), "pair": args.pair, "policy": pair.policy, "policy_args": pair.policy_args,
-            "tokens": args.tokens, "requests_per_client": args.requests_per_client,
+            "tokens": args.tokens, "requests_per_client": args.requests_per_client, "min_requests": args.min_requests,
             "delayed_thresholds": args.delayed_thresholds, "quiet_gate_cores": gate,
             "profile": {**prof.describe(), "outside_load_cores": prof_load},
             "template_P": tpl_P.tolist(), "results": results, "predictions": predictions, "sweep": sweeps,

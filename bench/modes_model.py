@@ -11,8 +11,14 @@ Inputs of a prediction, and where each comes from:
 - the runtime's own cost per step beyond the forward (the event loop's scheduling, routing and
   commits, and the hop to the model's worker thread and back): observed in the same runs, as the
   router measures it for its tuner (`ModelMetrics.mean_overhead`), and added to each step. On the
-  cpu-tiny pair it is ~0.3-0.5 ms against a ~3 ms small-model step.
-The model never sees a measured throughput or a measured forward time.
+  cpu-tiny pair it is ~0.3-0.5 ms against a ~3 ms small-model step;
+- served (`served_profile`): the same profile with each model's step cost scaled, and kappa
+  refitted, from the spans of the forwards the eager and sync runs served
+  (`aiorouter.tuning.served`): the start-up contention profile steps both models back to back
+  and misses most of what the light model loses in served bursts.
+The model never sees a measured throughput. The start-up prediction sees no measured forward
+time; the served one sees the forwards of the eager and sync runs, not of the delayed runs it
+predicts.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import numpy as np
 import torch
 
 from aiorouter.cpu_threads import CoreShare, plan_threads
+from aiorouter.tuning.served import ServedFit, StepSpan, fit_served
 from aiorouter.tuning import (
     Contention,
     LatencyModel,
@@ -107,6 +114,15 @@ def observed_routing(runs: list[dict], names: list[str]) -> tuple[np.ndarray, np
     np.fill_diagonal(P, 1.0 - P.sum(axis=1))
     tau = np.where(steps > 0, computed / np.maximum(steps, 1), 1.0)
     return P, np.maximum(tau, 1.0)
+
+
+def served_profile(profile: PairProfile, runs: list[dict]) -> tuple[PairProfile, ServedFit]:
+    """The profile refitted on the runs' served forwards (their "spans", per model; runs one after
+    another, so spans of different runs never overlap)."""
+    spans = [[StepSpan(*x) for r in runs for x in r["spans"][n]] for n in profile.names]
+    fit = fit_served(spans, profile.costs, prior=profile.contention)
+    return PairProfile(profile.names, fit.step_costs(profile.costs), fit.contention(), profile.samples,
+                       profile.threads, profile.step_seconds, profile.contention_seconds), fit
 
 
 def observed_overhead(runs: list[dict], names: list[str]) -> np.ndarray:

@@ -17,33 +17,53 @@ def markdown(data: dict) -> str:
     res, pred, summ, sweep = data["results"], data["predictions"], data["summary"], data.get("sweep", {})
     prof = data["profile"]
     out = [f"**{data['pair']}** ({data['policy']} {data['policy_args']}), {data['tokens']} output tokens, "
-           f"{data['requests_per_client']} requests per client; profile: step cost "
-           f"{prof['profile_s']['step_cost']:.1f} s, contention {prof['profile_s']['contention']:.1f} s "
-           f"(other processes {prof.get('outside_load_cores') or 0:.2f} cores).", "",
-           "| N | sync tok/s (pred.) | eager (pred.) | delayed B | delayed (pred.) | delayed / best of sync, eager "
-           "| other cores per run | model's schedule |",
-           "|---|---|---|---|---|---|---|---|"]
+           f"{data['requests_per_client']} requests per client (at least {data.get('min_requests', 0)} a run); "
+           f"profile: step cost {prof['profile_s']['step_cost']:.1f} s, contention "
+           f"{prof['profile_s']['contention']:.1f} s (other processes {prof.get('outside_load_cores') or 0:.2f} cores).",
+           "", "Whole run, tok/s (what a client gets):", "",
+           "| N | sync | eager | delayed ran | delayed | delayed / best of sync, eager | other cores per run |",
+           "|---|---:|---:|---|---:|---:|---|"]
     for n in sorted(pred, key=int):
-        cell = {}
-        for m in ("sync", "eager", "delayed"):
-            r = res.get(f"{m}@{n}")
-            cell[m] = "-" if r is None else f"{r['tok_s']:.1f} ({r['predicted_tok_s']:.1f}, {_pct(r['predicted_tok_s'] / r['tok_s'] - 1)})"
-        d = res.get(f"delayed@{n}", {})
-        loads = ", ".join(f"{res[f'{m}@{n}'].get('outside_load_cores') or 0:.2f}" for m in ("sync", "eager", "delayed")
-                          if f"{m}@{n}" in res)
-        ratio = summ[n].get("delayed_over_best_of_sync_eager")
+        r = {m: res.get(f"{m}@{n}") for m in ("sync", "eager", "delayed")}
+        d = r["delayed"] or {}
         b = d.get("thresholds")
-        out.append(f"| {n} | {cell['sync']} | {cell['eager']} | {'/'.join(map(str, b.values())) if b else '-'} | "
-                   f"{cell['delayed']} | {'-' if ratio is None else f'{ratio:.2f}'} | {loads} | "
-                   f"{pred[n]['schedule']} |")
+        ran = d.get("schedule", "delayed")
+        ran = f"delayed B=({', '.join(map(str, b.values()))})" if ran == "delayed" and b else ran
+        loads = ", ".join(f"{x.get('outside_load_cores') or 0:.2f}" for x in r.values() if x)
+        ratio = summ[n].get("delayed_over_best_of_sync_eager")
+        cell = {m: "-" if x is None else f"{x['tok_s']:.1f}" + (
+            f" (runs {', '.join(f'{v:.1f}' for v in x['rounds_tok_s'])})" if "rounds_tok_s" in x else "")
+            for m, x in r.items()}
+        out.append(f"| {n} | {cell['sync']} | {cell['eager']} | {ran} | {cell['delayed']} | "
+                   f"{'-' if ratio is None else f'**{ratio:.3f}**'} | {loads} |")
+    out += ["", "Steady window (N in flight), tok/s, and the chain's prediction: served (profile refitted on "
+            "the sync and eager runs' forwards) / start-up profile only:", "",
+            "| N | sync | eager | delayed | mean in flight (whole run) | served fit: scale, kappa (small, large) |",
+            "|---|---|---|---|---|---|"]
+    for n in sorted(pred, key=int):
+        cells = []
+        for m in ("sync", "eager", "delayed"):
+            x = res.get(f"{m}@{n}")
+            cells.append("-" if x is None else
+                         f"{x['steady_tok_s']:.1f} ({_pct(summ[n]['prediction_error'][m])} / "
+                         f"{_pct(summ[n]['startup_prediction_error'][m])})")
+        fl = ", ".join(f"{res[f'{m}@{n}']['mean_in_flight']:.2f}" for m in ("sync", "eager", "delayed")
+                       if f"{m}@{n}" in res)
+        f = pred[n].get("served_fit") or {}
+        fit = "-" if not f else (f"{f['scales'][0]:.2f}, {f['kappa'][0][1]:.2f}; "
+                                 f"{f['scales'][1]:.2f}, {f['kappa'][1][0]:.2f}")
+        out.append(f"| {n} | {' | '.join(cells)} | {fl} | {fit} |")
     if sweep:
-        out += ["", "| N | predicted best B | measured best B | measured loss at the predicted best | "
-                "prediction error over the sweep (min / max) |", "|---|---|---|---|---|"]
+        out += ["", "| N | predicted best B (start-up) | measured best B, steady (whole run) | steady loss at the "
+                "predicted best (whole run) | served prediction error over the sweep (min / max) |",
+                "|---|---|---|---|---|"]
         for n in sorted(sweep, key=int):
             s = summ[n]
             errs = list(s["sweep_prediction_error"].values())
-            out.append(f"| {n} | {s['best_B_predicted']} | {s['best_B_measured']} | "
-                       f"{_pct(s['measured_loss_at_predicted_best'])} | {_pct(min(errs))} / {_pct(max(errs))} |")
+            out.append(f"| {n} | {s['best_B_predicted']} ({s['best_B_startup']}) | {s['best_B_measured']} "
+                       f"({s['whole_run_best_B_measured']}) | {_pct(s['measured_loss_at_predicted_best'])} "
+                       f"({_pct(s['whole_run_measured_loss_at_predicted_best'])}) | "
+                       f"{_pct(min(errs))} / {_pct(max(errs))} |")
     return "\n".join(out)
 
 

@@ -32,15 +32,63 @@ def test_observed_overhead_is_a_mean_per_step_over_runs():
 
 
 def test_summary_reads_off_the_targets():
+    """Delayed against sync and eager on whole runs; the chain, and the best B, on the steady window."""
     pred = {"best_thresholds": [1, 3], "by_thresholds": {"1,1": 90.0, "1,2": 100.0, "1,3": 110.0},
-            "sync_tok_s": 80.0, "eager_tok_s": 90.0}
-    results = {"sync@3": {"tok_s": 85.0, "predicted_tok_s": 80.0}, "eager@3": {"tok_s": 100.0, "predicted_tok_s": 90.0},
-               "delayed@3": {"tok_s": 104.0, "predicted_tok_s": 110.0}}
-    sweep = {"1,1": {"tok_s": 95.0}, "1,2": {"tok_s": 108.0}, "1,3": {"tok_s": 105.0}}
+            "sync_tok_s": 80.0, "eager_tok_s": 90.0, "startup": {"best_thresholds": [1, 2]}}
+
+    def run(whole, steady, predicted, startup):
+        return {"tok_s": whole, "steady_tok_s": steady, "predicted_tok_s": predicted, "startup_predicted_tok_s": startup}
+    results = {"sync@3": run(85.0, 88.0, 80.0, 90.0), "eager@3": run(100.0, 101.0, 90.0, 99.0),
+               "delayed@3": run(104.0, 110.0, 110.0, 120.0)}
+    sweep = {"1,1": {"tok_s": 95.0, "steady_tok_s": 96.0}, "1,2": {"tok_s": 108.0, "steady_tok_s": 108.0},
+             "1,3": {"tok_s": 105.0, "steady_tok_s": 112.0}}
     s = summarise(3, results, pred, sweep)
     assert s["delayed_over_best_of_sync_eager"] == pytest.approx(1.04)
-    assert s["prediction_error"]["sync"] == pytest.approx(80 / 85 - 1)
-    assert s["best_B_measured"] == "1,2" and s["best_B_predicted"] == "1,3"
-    assert s["measured_loss_at_predicted_best"] == pytest.approx(1 - 105 / 108)
-    assert s["sweep_prediction_error"]["1,1"] == pytest.approx(90 / 95 - 1)
+    assert s["steady_delayed_over_best"] == pytest.approx(110 / 101)
+    assert s["prediction_error"]["sync"] == pytest.approx(80 / 88 - 1)
+    assert s["startup_prediction_error"]["delayed"] == pytest.approx(120 / 110 - 1)
+    assert s["best_B_measured"] == "1,3" and s["whole_run_best_B_measured"] == "1,2"
+    assert s["best_B_predicted"] == "1,3" and s["best_B_startup"] == "1,2"
+    assert s["measured_loss_at_predicted_best"] == 0.0
+    assert s["whole_run_measured_loss_at_predicted_best"] == pytest.approx(1 - 105 / 108)
+    assert s["sweep_prediction_error"]["1,1"] == pytest.approx(90 / 96 - 1)
     assert predicted_for(pred, "delayed", (1, 2)) == 100.0 and predicted_for(pred, "sync", None) == 80.0
+
+
+def test_closed_loop_steady_window_ends_when_the_first_client_runs_dry():
+    """3 clients, 4 requests of 10 tokens at one token a tick for requests 0-2 and of 30 for the
+    last: the window holds 3 in flight until the first client finds no prompt left."""
+    import asyncio
+
+    from bench.common import closed_loop
+
+    async def send(p):
+        for _ in range(p):
+            await asyncio.sleep(0.01)
+            yield "m"
+
+    res = asyncio.run(closed_loop(send, 3, [10, 10, 10, 30], 4))
+    assert res.tokens == 60 and res.streamed == 60
+    # the client that took the 4th request streams until ~0.4 s; the others ran dry at ~0.1 s,
+    # when the first three requests' 30 tokens were streamed, give or take the tick they end on
+    assert 0.09 <= res.steady_seconds < 0.2 and 28 <= res.steady_tokens <= 32
+    summary = res.summary()
+    assert summary["steady_tok_s"] == pytest.approx(res.steady_tokens / res.steady_seconds)
+    assert 1.2 < summary["mean_in_flight"] < 2.0  # 3 for 0.1 s, then 1 for 0.3 s: (0.3 + 0.3 + 0.4) / 0.4
+
+
+def test_served_profile_scales_the_profile_to_the_runs_forwards():
+    from aiorouter.tuning import Contention, StepCost
+    from bench.modes_model import PairProfile, served_profile
+
+    cost = [StepCost(2e-3, 0.0, 0.1e-3), StepCost(20e-3, 0.0, 1e-3)]
+    prof = PairProfile(["small", "large"], cost, Contention(2), [], [1, 2], 1.0, 1.0)
+    # the large model steps alone, 1.2x its profile; the small one never overlaps it either
+    spans_l = [(k * 0.1, k * 0.1 + 1.2 * cost[1](2, 4), 2, 4) for k in range(60)]
+    spans_s = [(k * 0.1 + 0.05, k * 0.1 + 0.05 + cost[0](1, 1), 1, 1) for k in range(60)]
+    runs = [{"spans": {"small": spans_s[:30], "large": spans_l[:30]}},
+            {"spans": {"small": spans_s[30:], "large": spans_l[30:]}}]
+    served, fit = served_profile(prof, runs)
+    assert fit.scales == pytest.approx((1.0, 1.2)) and fit.steps == (60, 60)
+    assert served.costs[1](2, 4) == pytest.approx(1.2 * cost[1](2, 4))
+    assert served.contention.is_zero

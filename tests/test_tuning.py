@@ -329,15 +329,17 @@ def test_tuner_resolves_when_the_step_cost_moves_the_step_times() -> None:
 def test_step_cost_service_fits_the_loop_work_per_step() -> None:
     from aiorouter.tuning.service import MIN_STEP_SAMPLES, TuningService
 
+    from aiorouter.tuning.served import StepSpan
+
     svc = TuningService(["small", "large"], (np.array(R2R_P), np.array(R2R_C)), 4, 4, lambda t, m: None)
     rng = np.random.default_rng(0)
     for k in range(MIN_STEP_SAMPLES):
         b = int(rng.integers(1, 5))
-        svc.observe_step(0, b, 0.2e-3 + 0.05e-3 * b + rng.normal(0, 1e-6))
+        svc.observe_step(0, StepSpan(k, k + 0.5, b, b), 0.2e-3 + 0.05e-3 * b + rng.normal(0, 1e-6))
         if k < MIN_STEP_SAMPLES - 1:
-            svc.observe_step(1, 1, 0.3e-3)
+            svc.observe_step(1, StepSpan(k + 0.5, k + 1, 1, 1), 0.3e-3)
     assert svc.step_costs() is None  # the large model is one step short
-    svc.observe_step(1, 1, 0.3e-3)
+    svc.observe_step(1, StepSpan(1e4, 1e4 + 1, 1, 1), 0.3e-3)
     small, large = svc.step_costs()
     assert small.a == pytest.approx(0.2e-3, rel=0.05) and small.c == pytest.approx(0.05e-3, rel=0.05)
     assert large.a == pytest.approx(0.3e-3) and large.c == 0.0  # one batch size: its mean

@@ -21,6 +21,7 @@ from .search import (
     solve_grid,
     threshold_table,
 )
+from .served import ServedFit, StepSpan, fit_served
 from .simulate import SimulationResult, simulate
 from .spec import DEFAULT_DELTA, ModelSpec, is_feasible
 
@@ -37,4 +38,5 @@ __all__ = [
     "solve_dtmc", "solve_grid", "solve_many", "threshold_table", "throughput",
     "Proposal", "RoutingDrift", "Schedule", "Solved", "SyncResult", "TuningCancelled",
     "StepCost", "fit_step_cost", "choose_schedule", "observed_routing", "routing_drift", "sync_throughput",
+    "ServedFit", "StepSpan", "fit_served",
 ]

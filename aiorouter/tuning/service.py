@@ -1,8 +1,8 @@
 """The tuner's lifecycle inside a running router: profile each model (its step latency, and how much
 the models slow each other when they share hardware), solve the schedule per concurrency in the
-background (the router serves with B = 1 meanwhile), feed it the routes actually taken and the
-runtime's own work around each step, and re-solve off the event loop when either moves away from
-what the schedule was solved for.
+background (the router serves with B = 1 meanwhile), feed it the routes actually taken, the
+runtime's own work around each step and the spans of the forwards it served, and re-solve off the
+event loop when any of them moves away from what the schedule was solved for.
 
 It sees models only through profiling callables and hands the schedule to a setter, so it stays
 free of torch and of the router's internals.
@@ -21,6 +21,7 @@ from .contention import Contention
 from .latency import LatencyModel, fit_latency, fit_samples
 from .online import TuningCancelled
 from .quantum import DEFAULT_TABLE_STATES, choose_delta
+from .served import MIN_SPANS, ServedFit, StepSpan, fit_served
 from .tuner import Tuner, TunerConfig
 
 log = logging.getLogger("aiorouter")
@@ -58,6 +59,9 @@ class TuningService:
         self._decisions = 0
         # per model: (batch size, seconds of the event loop's work around that step)
         self._steps: list[deque[tuple[int, float]]] = [deque(maxlen=STEP_SAMPLES) for _ in self.names]
+        # per model: its recent forwards' spans (what they cost served, and overlapped with)
+        self._spans: list[deque[StepSpan]] = [deque(maxlen=STEP_SAMPLES) for _ in self.names]
+        self._hops: list[deque[float]] = [deque(maxlen=STEP_SAMPLES) for _ in self.names]
 
     async def start(self, profilers: Sequence[Profiler], contention: ContentionProfiler | None = None) -> None:
         """Profile every model (in its own worker: with the threads it serves with) and their
@@ -152,12 +156,17 @@ class TuningService:
         if self._decisions % self.resolve_every == 0 and self._resolving is None and not self._closing:
             self._resolving = asyncio.get_running_loop().create_task(self._resolve())
 
-    def observe_step(self, model: int, batch: int, seconds: float) -> None:
-        """The event loop's own work around one step of `model` (scheduling before the hop to the
-        worker; finishing, routing and committing after it; handling the messages that made it
-        ready). The start-up profile times the step and the hop; this is the rest of what a model's
-        step costs in the runtime, and the chain takes it as a per-step cost (`step_costs`)."""
-        self._steps[model].append((batch, seconds))
+    def observe_step(self, model: int, span: StepSpan, seconds: float, hop: float = 0.0) -> None:
+        """One step of `model`: its forward's `span` in the worker, and `seconds` of the event loop's
+        own work around it (scheduling before the hop to the worker; finishing, routing and
+        committing after it; handling the messages that made it ready). The start-up profile
+        times the step and the hop; the loop's work is the rest of what a model's step costs in
+        the runtime (`step_costs`), and the spans say what the forwards cost while serving, the
+        models overlapping as they did (`served`). `hop`: seconds of the hop to the worker and
+        back, which the start-up profile's step includes and the span does not."""
+        self._steps[model].append((span.batch, seconds))
+        self._spans[model].append(span)
+        self._hops[model].append(hop)
 
     def step_costs(self) -> list[LatencyModel] | None:
         """Per model, the loop's work per step as L(b) = a + c * b over the recent steps; None until
@@ -166,17 +175,33 @@ class TuningService:
             return None
         return [fit_samples([b for b, _ in d], [t for _, t in d]) for d in (list(d) for d in self._steps)]
 
-    def _resolve_blocking(self, step_costs: list[LatencyModel] | None) -> tuple[bool, bool]:
+    def served(self) -> ServedFit | None:
+        """The profiled step costs scaled, and kappa refitted, on the recent served forwards
+        (`aiorouter.tuning.served`); None until every model has MIN_SPANS of them."""
+        if self.tuner is None or any(len(d) < MIN_SPANS for d in self._spans):
+            return None
+        return fit_served([list(d) for d in self._spans], self.tuner.config.latency, fixed=self._mean_hops(),
+                          prior=self.contention)
+
+    def _mean_hops(self) -> list[float]:
+        return [sum(d) / len(d) if d else 0.0 for d in self._hops]
+
+    def _resolve_blocking(self, step_costs: list[LatencyModel] | None, spans: list[list[StepSpan]] | None,
+                          hops: list[float]) -> tuple[bool, bool]:
         """(thread) -> (a re-solve ran, it changed the schedule at some N)."""
         before = self.tuner.table
-        changed = self.tuner.maybe_resolve(step_costs)
+        served = (fit_served(spans, self.tuner.config.latency, fixed=hops, prior=self.contention)
+                  if spans is not None else None)
+        changed = self.tuner.maybe_resolve(step_costs, served)
         return self.tuner.table is not before, changed
 
     async def _resolve(self) -> None:
         try:
             t0 = time.perf_counter()
-            # the step samples are read here, on the loop that appends them
-            ran, changed = await asyncio.to_thread(self._resolve_blocking, self.step_costs())
+            # the step samples and spans are read here, on the loop that appends them
+            spans = None if any(len(d) < MIN_SPANS for d in self._spans) else [list(d) for d in self._spans]
+            ran, changed = await asyncio.to_thread(self._resolve_blocking, self.step_costs(), spans,
+                                                   self._mean_hops())
             if ran:
                 self.resolves += 1
                 log.info("routing or step times moved: re-solved in %.2fs%s", time.perf_counter() - t0,

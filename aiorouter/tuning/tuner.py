@@ -5,7 +5,9 @@ models were measured to have, predicts step-sync beside it, and names per N the 
 (B*), eager and sync (`schedules.choose_schedule`).  When the routing drifts from the P it was
 solved for (`drift.routing_drift`), or the runtime's own work per step (`step_cost`: the event
 loop's scheduling, routing and commits around each step, measured while serving) moves a model's
-step time by more than `cost_margin`, `propose` solves again for the observed P and step times
+step time by more than `cost_margin`, or the served forwards (`served`: each model's step cost
+scaled, and kappa refitted, from the spans it served; `served.py`) move a step time by more than
+`cost_margin` or a kappa by more than `contention_margin`, `propose` solves again for what it observed
 (re-choosing the quantum from the state budget when configured) and keeps, per N, the current
 choice unless the new one is predicted to beat it, under the new inputs, by more than `min_gain`.
 `adopt` swaps it in.
@@ -32,6 +34,7 @@ from .online import RoutingEstimator, TuningCancelled
 from .quantum import choose_delta
 from .schedules import Schedule, choose_schedule, sync_throughput
 from .search import SearchResult, SolveCache, ThresholdTable, threshold_table
+from .served import ServedFit
 from .spec import DEFAULT_DELTA, ModelSpec, check_concurrency
 
 log = logging.getLogger("aiorouter.tuning")
@@ -61,13 +64,15 @@ class TunerConfig:
     sync_margin: float = 0.0  # sync must beat delayed by more than this to be chosen
     # A step cost that moves a model's L(1) or L(cap) by more than this share calls for a re-solve
     cost_margin: float = 0.02
+    # ... and a kappa that moves by more than this (kappa from served steps; served.py)
+    contention_margin: float = 0.05
 
     @classmethod
     def build(cls, P: object, C: object, latency: Sequence[LatencyLike], max_concurrency: int,
               **kw: object) -> "TunerConfig":
         spec = ModelSpec.build(P, C, list(latency), kw.pop("delta", DEFAULT_DELTA),  # type: ignore[arg-type]
                                kw.pop("contention", None))  # type: ignore[arg-type]
-        for name in ("min_gain", "sync_margin", "drift_margin", "drift_z", "cost_margin"):
+        for name in ("min_gain", "sync_margin", "drift_margin", "drift_z", "cost_margin", "contention_margin"):
             if name in kw and not float(kw[name]) >= 0:  # type: ignore[arg-type]
                 raise ValueError(f"TunerConfig.{name} must be >= 0, got {kw[name]!r}")
         return cls(P=spec.P, C=spec.C, latency=spec.latency, max_concurrency=check_concurrency(max_concurrency),
@@ -84,6 +89,7 @@ class Solved:
     latency: tuple[LatencyModel, ...]  # what each model's step cost in the chain (profile + step cost)
     table: ThresholdTable
     schedules: dict[int, Schedule]
+    contention: Contention | None = None  # what the models cost each other in the chain
 
 
 @dataclass(frozen=True)
@@ -146,16 +152,22 @@ class Tuner:
         self.estimator.observe(src, dst, tokens)
 
     # -- solving -------------------------------------------------------------------------------
-    def spec(self, P: np.ndarray, C: np.ndarray, delta: float,
-             latency: Sequence[LatencyModel] | None = None) -> ModelSpec:
-        return ModelSpec.build(P, C, list(latency or self.config.latency), delta, self.config.contention)
+    @property
+    def contention(self) -> Contention | None:
+        """The contention the current schedule was solved with (the profile's, or served steps')."""
+        return self._solved.contention
+
+    def spec(self, P: np.ndarray, C: np.ndarray, delta: float, latency: Sequence[LatencyModel] | None = None,
+             contention: Contention | None = None) -> ModelSpec:
+        return ModelSpec.build(P, C, list(latency or self.config.latency), delta,
+                               self.config.contention if contention is None else contention)
 
     def solve(self, P: np.ndarray, C: np.ndarray, delta: float, why: str,
-              latency: Sequence[LatencyModel] | None = None) -> Solved:
-        """Threshold table and schedules for N = 1..cap (blocking; seconds). `latency`: the step
-        times to solve with (default: the profiled ones)."""
+              latency: Sequence[LatencyModel] | None = None, contention: Contention | None = None) -> Solved:
+        """Threshold table and schedules for N = 1..cap (blocking; seconds). `latency` and
+        `contention`: the step times and contention to solve with (default: the profiled ones)."""
         cfg = self.config
-        spec = self.spec(P, C, delta, latency)
+        spec = self.spec(P, C, delta, latency, contention)
         t0, rows, schedules = time.perf_counter(), [], {}
         for n in range(1, cfg.max_concurrency + 1):
             if self.should_stop is not None and self.should_stop():
@@ -176,13 +188,25 @@ class Tuner:
             log.info("B* (%s) N=%d: B=%s predicted %.1f tokens/s (eager %.1f, sync %.1f): run %s",
                      why, row.N, row.best, row.best_throughput, s.eager, s.sync, s.choice)
         log.info("threshold table for N=1..%d solved in %.2fs", cfg.max_concurrency, table.seconds)
-        return Solved(np.array(P, dtype=float), np.array(C, dtype=float), float(delta), spec.latency, table, schedules)
+        return Solved(np.array(P, dtype=float), np.array(C, dtype=float), float(delta), spec.latency, table, schedules,
+                      cfg.contention if contention is None else contention)
 
-    def with_step_cost(self, step_cost: Sequence[LatencyModel]) -> tuple[LatencyModel, ...]:
-        """Each model's profiled step time plus the runtime's own work per step (`step_cost`)."""
-        if len(step_cost) != len(self.config.latency):
-            raise ValueError(f"step_cost has {len(step_cost)} models, the tuner {len(self.config.latency)}")
-        return tuple(lat + cost for lat, cost in zip(self.config.latency, step_cost))
+    def with_step_cost(self, step_cost: Sequence[LatencyModel],
+                       served: ServedFit | None = None) -> tuple[LatencyModel, ...]:
+        """Each model's profiled step time (scaled to what it served, with `served`) plus the
+        runtime's own work per step (`step_cost`)."""
+        base = self.config.latency if served is None else tuple(served.latencies(self.config.latency))
+        if len(step_cost) != len(base) or (served is not None and len(served.scales) != len(base)):
+            raise ValueError(f"step_cost has {len(step_cost)} models, the tuner {len(base)}")
+        return tuple(lat + cost for lat, cost in zip(base, step_cost))
+
+    def _contention_moved(self, new: Contention | None) -> bool:
+        """Does any kappa, at any pair of batch sizes up to the cap, differ from the solved one by
+        more than `contention_margin`?"""
+        cap, M = self.config.max_concurrency, len(self.config.latency)
+        old = self._solved.contention
+        tab = [c.table(cap) if c is not None else np.zeros((M, M, cap + 1, cap + 1)) for c in (new, old)]
+        return float(np.abs(tab[0] - tab[1]).max()) > self.config.contention_margin
 
     def _cost_moved(self, latency: Sequence[LatencyModel]) -> bool:
         """Does any model's step time at batch 1 or at the cap differ from the solved one by more than
@@ -192,14 +216,15 @@ class Tuner:
                    for new, old in zip(latency, self._solved.latency) for b in (1, cap))
 
     def propose(self, counts: np.ndarray | None = None, tokens: np.ndarray | None = None,
-                step_cost: Sequence[LatencyModel] | None = None) -> Proposal | None:
+                step_cost: Sequence[LatencyModel] | None = None, served: ServedFit | None = None) -> Proposal | None:
         """Re-solve if the routing drifted or the step times moved; None if neither did (or no quantum
         fits the budget).
 
         `counts` (M x M decisions i -> j) and `tokens` (tokens they committed) default to the
         estimator's decisions since the last solve.  `step_cost`: per model, the runtime's work
         around each step as measured while serving (None: keep the step times solved with).
-        Blocking (a full solve, seconds)."""
+        `served`: the profile's step costs scaled and kappa refitted on served forwards (None: keep
+        the step times and contention solved with). Blocking (a full solve, seconds)."""
         cfg = self.config
         if counts is None:
             now = self.estimator.totals()
@@ -207,8 +232,13 @@ class Tuner:
         counts = np.asarray(counts, dtype=float)
         cur = self._solved
         drift = routing_drift(cur.P, counts, margin=cfg.drift_margin, z=cfg.drift_z, min_row=cfg.drift_min_row)
-        latency = self.with_step_cost(step_cost) if step_cost is not None else cur.latency
-        cost_moved = self._cost_moved(latency)
+        if step_cost is not None:
+            latency = self.with_step_cost(step_cost, served)
+        else:  # no loop work measured: the profile, scaled to what was served
+            latency = cur.latency if served is None else tuple(served.latencies(self.config.latency))
+        # (a zero Contention, unlike None, means "measured: none")
+        contention = cur.contention if served is None else served.contention()
+        cost_moved = self._cost_moved(latency) or self._contention_moved(contention)
         if not drift.drifted and not cost_moved:
             return None
         P, C = (drift.observed_P, cur.C.copy()) if drift.drifted else (cur.P, cur.C)
@@ -219,7 +249,7 @@ class Tuner:
         if cfg.table_states is not None:
             try:
                 delta = choose_delta(P, list(latency), cfg.max_concurrency, table_states=cfg.table_states,
-                                     max_states=cfg.max_states, contention=cfg.contention).delta
+                                     max_states=cfg.max_states, contention=contention).delta
             except ValueError as e:
                 log.warning("routing or step times moved but no quantum fits the state budget (%s); keeping B", e)
                 return None
@@ -227,9 +257,10 @@ class Tuner:
             log.info("routing drifted (P[%d][%d] moved %.3f, %.1f standard errors, %d decisions); re-solving",
                      *(drift.entry or (0, 0)), drift.moved, drift.z_score, drift.decisions)
         if cost_moved:
-            log.info("step times moved with the runtime's work per step (L(1): %s ms); re-solving",
-                     ", ".join(f"{o(1) * 1e3:.2f} -> {n(1) * 1e3:.2f}" for o, n in zip(cur.latency, latency)))
-        new = self.solve(P, C, delta, "re-solve", latency)
+            log.info("step times or contention moved while serving (L(1): %s ms%s); re-solving",
+                     ", ".join(f"{o(1) * 1e3:.2f} -> {n(1) * 1e3:.2f}" for o, n in zip(cur.latency, latency)),
+                     "" if served is None else f"; served kappa {[[round(k, 2) for k in r] for r in served.kappa]}")
+        new = self.solve(P, C, delta, "re-solve", latency, contention)
         schedules, gains, changed = {}, {}, []
         for N, ns in new.schedules.items():
             old = cur.schedules[N]
@@ -253,14 +284,14 @@ class Tuner:
             self._mark = self.estimator.totals()
             self.last = proposal
 
-    def maybe_resolve(self, step_cost: Sequence[LatencyModel] | None = None) -> bool:
-        """propose() on the decisions since the last solve (once there are enough) and on the
-        measured `step_cost`, and adopt it. True when some N's schedule changed."""
+    def maybe_resolve(self, step_cost: Sequence[LatencyModel] | None = None, served: ServedFit | None = None) -> bool:
+        """propose() on the decisions since the last solve (once there are enough), on the
+        measured `step_cost` and on the `served` refit, and adopt it. True when some N's schedule changed."""
         with self._lock:
             now = self.estimator.totals()
             if now[0].sum() - self._mark[0].sum() < self.config.min_new_observations:
                 return False
-        p = self.propose(step_cost=step_cost)
+        p = self.propose(step_cost=step_cost, served=served)
         if p is None:
             return False
         self.adopt(p)

@@ -1,0 +1,177 @@
+"""What the models' steps cost while serving, and how much they slowed each other, from the spans
+of the forwards the runtime actually ran (docs/throughput-model.md, "Learning from served steps").
+
+Why: the start-up contention profile steps both models back to back, and there the light model
+barely notices the heavy one (cpu-tiny: kappa 0.00-0.05 for the small model). Served, the light
+model steps in short bursts between handoffs, each burst starting after (or while) the heavy
+model streams its weights through the caches: the small model's steps took 1.6x their profiled
+time (cpu-tiny, eager, N = 8), and the chain solved on the profile predicted 8-24 % more
+tokens/s than the sync and eager runs served (bench/RESULTS.md, "Runtime modes").
+
+The fit, per model i with the start-up step cost c_i(b, T) and the share o_ij of a step's time
+during which model j was inside a step of its own. The chain's rate rule (`contention`): a step
+that overlaps j for o * t of its t seconds at rate 1 - kappa does the work of t - kappa o t
+seconds alone, and that work is s_i * c_i(b, T). Two steps:
+
+1. kappa from each step's speed against the profile, y = c_i(b, T) / t = 1 / s_i -
+   sum_j (kappa_ij / s_i) o_ij: least squares, non-negative. y is bounded, so a step stalled for
+   unrelated reasons (a GIL wait, a page fault) moves it little; regressing t itself on o t (t on
+   both sides) read such stalls as contention, and found kappa 0.35 between two sim engines
+   that sleep through their steps.
+2. s_i from the total: sum of s_i c_i = sum of t (1 - sum_j kappa_ij o_ij), so the chain charges
+   exactly the time the model's steps took.
+
+Where the overlap share barely varies (a light model that overlaps in every step) the slope is
+not identified (its standard error above 0.25, or the shares' 10th to 90th percentile under
+0.2): kappa is then the start-up profile's (its mean over the profiled batch pairs), which
+measured that overlap directly, and the scale takes the rest. Identified, the light model's
+excess went to the scale, not to kappa (cpu-tiny, N = 4, sync and eager pooled: scale 1.72,
+kappa 0.01): it is slow after the heavy model's step, overlapping or not. Put on kappa instead,
+the chain over-predicted delayed B = (2, 7), where the light model overlaps less, by 13 %.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from .contention import MAX_KAPPA, Contention
+from .latency import LatencyModel, StepCost
+
+MIN_SPANS = 50  # steps a model needs before its fit replaces the profile
+MAX_KAPPA_SE = 0.25  # a kappa less certain than this is not identified by the overlaps seen ...
+# ... nor one whose overlap shares span less than this between their 10th and 90th percentiles:
+# a few odd steps (a first prefill that ran alone) would otherwise set the intercept
+MIN_OVERLAP_SPREAD = 0.2
+
+
+class StepSpan(NamedTuple):
+    """One forward as the model's worker ran it (perf_counter seconds) and what it computed."""
+
+    start: float
+    end: float
+    batch: int  # sequences in the step
+    tokens: int  # tokens computed, all sequences together
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+def overlap_shares(mine: Sequence[StepSpan], other: Sequence[StepSpan]) -> np.ndarray:
+    """[len(mine)] share of each of `mine`'s steps during which some step of `other` ran."""
+    if not mine:
+        return np.zeros(0)
+    s = np.array([(x.start, x.end) for x in mine], dtype=float)  # (n, 2)
+    if not other:
+        return np.zeros(len(mine))
+    o = np.array(sorted((x.start, x.end) for x in other), dtype=float)  # (m, 2), by start
+    # Steps of one model never overlap each other, so the other's spans are disjoint and sorted:
+    # for each of mine, only those starting before its end and ending after its start count.
+    lo = np.searchsorted(o[:, 1], s[:, 0], side="right")  # first other span ending after my start
+    hi = np.searchsorted(o[:, 0], s[:, 1], side="left")  # first other span starting after my end
+    out = np.zeros(len(mine))
+    for k in range(len(mine)):
+        if hi[k] > lo[k]:
+            seg = o[lo[k]:hi[k]]
+            out[k] = np.clip(np.minimum(seg[:, 1], s[k, 1]) - np.maximum(seg[:, 0], s[k, 0]), 0.0, None).sum()
+    return out / np.maximum(s[:, 1] - s[:, 0], 1e-12)
+
+
+@dataclass(frozen=True)
+class ServedFit:
+    """Per model: scale on the profiled step cost (1: as profiled) and, per other model, kappa."""
+
+    scales: tuple[float, ...]
+    kappa: tuple[tuple[float, ...], ...]  # kappa[i][j]: share of i's progress lost while j steps
+    steps: tuple[int, ...]  # spans each model's fit used (0: too few; that model kept the profile)
+    # per model, seconds of its profiled step that are not the forward and are not scaled (the
+    # hop to the worker and back, where the profile timed the step from the event loop)
+    fixed: tuple[float, ...] = ()
+
+    def contention(self) -> Contention:
+        """As the chain takes it: one kappa per ordered pair, at every batch size."""
+        M = len(self.scales)
+        return Contention.build(M, [(i, 1, j, 1, self.kappa[i][j]) for i in range(M) for j in range(M) if i != j])
+
+    def _fixed(self, i: int) -> float:
+        return self.fixed[i] if self.fixed else 0.0
+
+    def step_costs(self, costs: Sequence[StepCost]) -> list[StepCost]:
+        return [StepCost(max(c.a - self._fixed(i), 0.0) * s + self._fixed(i), c.per_seq * s, c.per_token * s)
+                for i, (c, s) in enumerate(zip(costs, self.scales))]
+
+    def latencies(self, lats: Sequence[LatencyModel]) -> list[LatencyModel]:
+        return [LatencyModel(max(m.a - self._fixed(i), 0.0) * s + self._fixed(i), m.c * s)
+                for i, (m, s) in enumerate(zip(lats, self.scales))]
+
+
+def fit_served(spans: Sequence[Sequence[StepSpan]], cost: Sequence[object], min_spans: int = MIN_SPANS,
+               fixed: Sequence[float] | None = None, prior: Contention | None = None) -> ServedFit:
+    """Fit scales and kappa from each model's served steps. `cost[i]`: model i's profiled step
+    time, as `cost(batch, tokens)` (a `StepCost`) or `cost(batch)` (a `LatencyModel`, decode
+    only: its scale then also absorbs the extends a served step computes). `fixed[i]`: seconds of
+    that profiled time spent outside the forward (a profile timed from the event loop includes
+    the hop to the worker and back; a span does not): compared without them, never scaled.
+    `prior`: the start-up contention profile; where the overlaps do not identify kappa, kappa is
+    its mean over the profiled batch pairs (none: 0) and the scale takes the rest."""
+    M = len(spans)
+    if len(cost) != M or (fixed is not None and len(fixed) != M):
+        raise ValueError(f"fit_served: {M} models' spans but {len(cost)} step costs"
+                         + ("" if fixed is None else f" and {len(fixed)} fixed times"))
+    fixed_t = tuple(float(f) for f in fixed) if fixed is not None else (0.0,) * M
+    scales, kappa, used = [1.0] * M, [[0.0] * M for _ in range(M)], [0] * M
+    for i in range(M):
+        mine = [x for x in spans[i] if x.seconds > 0]
+        if len(mine) < min_spans:
+            continue
+        t = np.array([x.seconds for x in mine])
+        base = np.maximum(np.array([_cost(cost[i], x) for x in mine]) - fixed_t[i], 1e-9)
+        others = [j for j in range(M) if j != i]
+        o = np.stack([overlap_shares(mine, spans[j]) for j in others], axis=1) if others else np.zeros((len(t), 0))
+        free = [k for k in range(o.shape[1]) if o[:, k].any()]
+        ks = _kappa_from_speed(base / t, o[:, free]) if free else np.zeros(0)
+        if ks is None:  # not identified: kappa as profiled
+            ks = np.array([_mean_kappa(prior, i, others[col]) for col in free])
+        work = (t * (1.0 - o[:, free] @ np.minimum(ks, MAX_KAPPA))).sum() if free else t.sum()
+        scales[i] = float(work / max(base.sum(), 1e-18))
+        for k, col in zip(ks, free):
+            kappa[i][others[col]] = float(min(MAX_KAPPA, max(0.0, k)))
+        if not (math.isfinite(scales[i]) and scales[i] > 0):
+            scales[i] = 1.0
+        used[i] = len(mine)
+    return ServedFit(tuple(scales), tuple(tuple(r) for r in kappa), tuple(used), fixed_t)
+
+
+def _mean_kappa(prior: Contention | None, i: int, j: int) -> float:
+    ks = [p[4] for p in (prior.points if prior is not None else ()) if p[0] == i and p[2] == j]
+    return float(np.mean(ks)) if ks else 0.0
+
+
+def _kappa_from_speed(y: np.ndarray, o: np.ndarray) -> np.ndarray | None:
+    """y = alpha - sum_j gamma_j o_j, alpha, gamma >= 0 -> kappa_j = gamma_j / alpha; None where
+    the overlaps do not identify it (MAX_KAPPA_SE, MIN_OVERLAP_SPREAD)."""
+    from scipy.optimize import nnls
+
+    X = np.column_stack([np.ones(len(y)), -o])  # (n, 1 + others)
+    coef, _ = nnls(X, y)
+    alpha = coef[0]
+    if alpha <= 0:
+        return None
+    dof = max(1, len(y) - X.shape[1])
+    sigma2 = float(((X @ coef - y) ** 2).sum()) / dof
+    try:
+        cov = sigma2 * np.linalg.inv(X.T @ X)
+    except np.linalg.LinAlgError:
+        return None
+    se = np.sqrt(np.maximum(np.diag(cov)[1:], 0.0)) / alpha  # of each kappa, to first order
+    spread = np.percentile(o, 90, axis=0) - np.percentile(o, 10, axis=0)
+    if (se > MAX_KAPPA_SE).any() or (spread < MIN_OVERLAP_SPREAD).any():
+        return None
+    return coef[1:] / alpha
+
+
+def _cost(c: object, x: StepSpan) -> float:
+    return c(x.batch, x.tokens) if isinstance(c, StepCost) else c(x.batch)  # type: ignore[operator]
