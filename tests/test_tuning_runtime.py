@@ -4,6 +4,7 @@ deadlocks nor strands a model, and routing that drifts from the template is re-s
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -193,6 +194,10 @@ def test_router_learns_the_loop_work_per_step() -> None:
             await r.wait_tuned()
             svc = r.tuning
             svc.resolve_every = 300
+            # Only the step cost is under test: routing drift has its own test above. On CI a
+            # re-solve here once took the coin's observed P (0.669 for the template's 0.65), so
+            # the drift trigger is turned off (no entry of P can move by more than 1).
+            svc.tuner.config = replace(svc.tuner.config, drift_margin=1.0)
             assert svc.step_costs() is None  # nothing served yet
             await closed_loop(r, 4, 6, [100])
             await svc.wait_resolved()
