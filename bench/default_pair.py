@@ -129,7 +129,7 @@ def step_costs(engines: dict[str, Engine], prompts, batches, rounds: int, n: int
 
 def breakdown(eng: Engine, prompts: list[list[int]], batch: int, n: int = 4) -> dict[str, float]:
     """Where one thread's decode step goes: ms per step in linear layers, attention and the rest."""
-    groups = {"linear": ("mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu", "aten::_int_mm",
+    groups = {"linear": ("mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu", "aiorouter_cpu::int4_linear", "aten::_int_mm",
                          "aten::_weight_int8pack_mm", "aten::addmm", "aten::mm"),
               "attention": ("aiorouter_cpu::paged_attention",)}
     torch.set_num_threads(1)

@@ -1,11 +1,12 @@
 """torch's weight-only int4 / int8 CPU kernels (engines/quant.py) against the oneDNN-packed fp32
-Linear (engines/model.Linear), on SmolLM2-135M's layer shapes, at 1, 4, 8 and 16 rows, 1 thread.
+Linear (engines/model.Linear), on SmolLM2-135M's layer shapes, at 1, 2, 3, 4, 8 and 16 rows, 1 thread.
 
 Each layer is built in enough copies to pass 64 MB of fp32 weights and the calls cycle through
 them, so no weight is in cache when it is read, as in a decode step of the whole model. Total =
 30 layers of each decoder shape plus the head, per step. Methods: fp32 (oneDNN, packed); int4
-(QuantLinear: the kernel up to INT4_MAX_ROWS rows, its bf16 copy above); int4-kernel
-(`_weight_int4pack_mm_for_cpu` alone, bf16 activations, groups of 32); bf16 (the oneDNN-packed
+(QuantLinear: torch's kernel up to its kernel_rows, the AMX kernel or bf16 copy above); int4-kernel
+(`_weight_int4pack_mm_for_cpu` alone, bf16 activations, groups of 32); int4-amx (the project's
+AMX kernel alone, engines/csrc/int4_linear_cpu.cpp; where the CPU has AMX-BF16); bf16 (the oneDNN-packed
 bf16 Linear: what AVX512-BF16 dot products cost, the floor of a weight-only kernel whose
 activations stay 16-bit); int8 (`_weight_int8pack_mm`, bf16 activations); w8a8 (`torch._int_mm`,
 int8 activations per token); int4 on fp32 activations, the kernel's scalar path, at 1 row only;
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from bench.common import OutsideLoad, write_json
+from engines import cpu_kernels
 from engines.model import Linear
 from engines.quant import QuantLinear
 from engines.quant_formats import quantize_int8
@@ -50,6 +52,20 @@ class _Int4Kernel(torch.nn.Module):
     def forward(self, x):
         a = x if self.fp32 else x.to(torch.bfloat16)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(a, self.q.qweight, self.q.group_size, self.sz).float()
+
+
+class _Int4Amx(torch.nn.Module):
+    """The AMX int4 kernel (engines/csrc/int4_linear_cpu.cpp) alone at every row count
+    (QuantLinear hands it more than INT4_AMX_MAX_ROWS rows)."""
+
+    def __init__(self, q: QuantLinear):
+        super().__init__()
+        if q.codes is None:
+            raise RuntimeError("this CPU (or build) has no AMX int4 kernel")
+        self.q = q
+
+    def forward(self, x):  # x [T, in] fp32 -> [T, out] fp32
+        return torch.ops.aiorouter_cpu.int4_linear(x, self.q.codes, self.q.block_scales, self.q.group_size)
 
 
 class _Bf16(torch.nn.Module):
@@ -91,7 +107,8 @@ def layers(method: str, N: int, K: int, copies: int) -> list[torch.nn.Module]:
             out.append(_Bf16(w) if method == "bf16" else _Fbgemm(w))
         else:
             q = QuantLinear(w, None, "int4" if method.startswith("int4") else method)
-            out.append(_Int4Kernel(q, method == "int4-fp32act") if method.startswith("int4-") else q)
+            out.append(_Int4Amx(q) if method == "int4-amx" else
+                       _Int4Kernel(q, method == "int4-fp32act") if method.startswith("int4-") else q)
     return out
 
 
@@ -113,8 +130,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    methods = ["fp32", "int4", "int4-kernel", "bf16", "int8", "w8a8", "fbgemm", "int4-fp32act"]
-    rows = (1, 4, 8, 16)  # 4 and 8: where the int4 kernel and bf16 cross (INT4_MAX_ROWS)
+    methods = ["fp32", "int4", "int4-kernel", "int4-amx", "bf16", "int8", "w8a8", "fbgemm", "int4-fp32act"]
+    if not (cpu_kernels.load() is not None and cpu_kernels.load().int4_linear_available()):
+        methods.remove("int4-amx")
+    # 2-8: where torch's int4 kernel crosses bf16 (INT4_MAX_ROWS) and the AMX kernel (INT4_AMX_MAX_ROWS)
+    rows = (1, 2, 3, 4, 8, 16)
+    crossing = ("int4-kernel", "int4-amx", "bf16")
     res: dict = {}
     with OutsideLoad() as load:
         for name, (N, K) in SHAPES.items():
@@ -122,7 +143,7 @@ def main(argv=None) -> int:
             for method in methods:
                 mods = layers(method, N, K, copies if method != "int4-fp32act" else 2)
                 for M in rows:
-                    if (method == "int4-fp32act" and M > 1) or (M in (4, 8) and method not in ("int4-kernel", "bf16")):
+                    if (method == "int4-fp32act" and M > 1) or (M in (2, 3, 4, 8) and method not in crossing):
                         continue
                     x = torch.randn(M, K)
                     res.setdefault(name, {}).setdefault(str(M), {})[method] = round(time_us(mods, x, args.reps), 1)

@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (engines/csrc): paged attention and RMSNorm, built as one extension.
+"""The C++ CPU kernels (engines/csrc): paged attention, RMSNorm and the AMX int4 linear, built as
+one extension.
 
 `load()` builds them on first use with the machine's C++ compiler (ninja is a dependency) and
 caches the build per source folder and CPU (it is compiled for the host's instruction set) under
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).parent / "csrc" / f for f in ("paged_attention_cpu.cpp", "rms_norm_cpu.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / f for f in ("paged_attention_cpu.cpp", "rms_norm_cpu.cpp",
+                                                        "int4_linear_cpu.cpp")]
 
 
 def _build_tag() -> str:
@@ -48,7 +50,8 @@ def _build_dir(name: str) -> Path:
 
 @functools.cache
 def load():
-    """-> `torch.ops.aiorouter_cpu` (paged_attention, rms_norm, add_rms_norm), or None."""
+    """-> `torch.ops.aiorouter_cpu` (paged_attention, rms_norm, add_rms_norm, int4_linear and
+    int4_linear_available), or None."""
     try:
         from torch.utils import cpp_extension
         name = f"aiorouter_cpu_kernels_{_build_tag()}"
@@ -56,7 +59,7 @@ def load():
         # a first run waits ~15 s here: say so, on stderr (a progress line, whether or not logging is set up)
         fresh = not (build_dir / f"{name}.so").is_file()
         if fresh:
-            print(f"aiorouter: compiling the CPU kernels (paged attention, RMSNorm) into {build_dir}, "
+            print(f"aiorouter: compiling the CPU kernels (paged attention, RMSNorm, int4 linear) into {build_dir}, "
                   "once per machine (~15 s)", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], is_python_module=False,

@@ -215,8 +215,9 @@ def _build_once(out: Path, write: Callable[[Path], dict]) -> Path:
 # The default pair's small model: SmolLM2 itself with int4 weights in Q4_1's groups of 32, which
 # are the very values the large model was de-quantized from (engines/quant.py). Measured on the
 # 2-core bench machine (bench/default_pair.py, bench/RESULTS.md): greedy top-1 agreement with the
-# large model ~97%, a decode step ~0.3x the large one at batch 1 on one thread each (~0.65x at
-# batch 16, where a step is compute-bound: engines/quant.py INT4_MAX_ROWS). The former
+# large model ~97%, a decode step 0.35x the large one at batch 1 and 0.42x at batch 16 on one
+# thread each with the AMX int4 kernel (~0.65x at batch 16 on CPUs without AMX, where the many-row
+# path is a bf16 copy: engines/quant.py INT4_MAX_ROWS). The former
 # small model (the first 10 of 30 layers under the same head) agreed on under a fifth of tokens.
 DEFAULT_SMALL_QUANTIZATION = "int4"
 

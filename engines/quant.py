@@ -5,11 +5,14 @@ output head; the embedding table stays dense (a step reads one row of it per tok
 - "int4": asymmetric groups of 32 inputs, GGUF Q4_1's grid (w = q * d + min, q in [0, 15]),
   in torch's tinygemm layout (w = (q - 8) * d + zero, zero = min + 8 d). A Q4_1 GGUF
   de-quantized to floats re-quantizes onto exactly its own grid (SmolLM2: max error 0.0).
-  On CPU the layer also keeps a bf16 copy of the same weights for steps of more than
-  INT4_MAX_ROWS rows (2.5 bytes per weight in all, against fp32's 4): at batch 16 the int4
-  kernel costs more than fp32. int8 activations (fbgemm's VNNI GEMM, 2x cheaper still) were
-  tried for those rows and dropped: greedy top-1 agreement with the fp32 model fell from
-  97.6% to 83% (bench/RESULTS.md, "The default pair").
+  torch's CPU int4 kernel decodes each group again per 4 rows, so at batch 16 it costs as much
+  as fp32; steps of more rows take another path. Where the CPU has AMX-BF16, it is the
+  project's AMX kernel on a second packing of the same codes (engines/csrc/int4_linear_cpu.cpp,
+  1.25 bytes per weight in all): 9 against fp32's 51 ms for a SmolLM2 step's decoder linears at
+  16 rows, 1 thread. Elsewhere it is a bf16 copy of the same weights in oneDNN (2.5 bytes per
+  weight), where oneDNN has bf16. int8 activations (fbgemm's VNNI GEMM) were tried for those
+  rows and dropped: greedy top-1 agreement with the fp32 model fell from 97.6% to 83%
+  (bench/RESULTS.md, "The default pair").
 - "int8": symmetric, one scale per output channel.
 The head is W8A8 on CPU (int8 weights per channel, int8 activations per token, torch._int_mm)
 in both: SmolLM2's head is Q8_0 in its GGUF, off any 4-bit grid (an int4 head dropped greedy
@@ -31,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engines import cpu_kernels
 from engines.onednn_rows import onednn_rows
 from engines.quant_formats import (
     COMPUTE_DTYPE,
@@ -39,6 +43,7 @@ from engines.quant_formats import (
     int4_cuda_bytes,
     int4_inner_k_tiles,
     int4_scales_and_zeros,
+    pack_int4_bf16dot,
     quantize_int4,
     quantize_int8,
 )
@@ -49,13 +54,16 @@ QUANTIZATIONS = tuple(SCHEMES)
 CONFIG_KEY = "aiorouter_quantization"  # config.json key of a checkpoint that asks to be loaded quantized
 _aten = torch.ops.aten
 _onednn_linear = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)
-# Above this many rows an int4 CPU layer runs a bf16 copy of its de-quantized weight in oneDNN
-# (packed as engines.model.Linear packs its weights; AVX512-BF16 dot products). At 1 row a step is
-# memory-bound and the int4 kernel reads a quarter of bf16's bytes; with more rows it turns
-# compute-bound, and the int4 kernel, which decodes each weight group again per 4 rows, falls
-# behind. A step's linears (bench/quant_kernels.py, 1 thread, busy machine): int4 kernel / bf16 =
-# 11 / 60 ms at 1 row, 45 / 72 at 4, 81 / 72 at 8, 148 / 96 at 16 (fp32: 103 at 1, 149 at 16).
+# Above this many rows an int4 CPU layer leaves torch's int4 kernel for its many-row path. At 1
+# row a step is memory-bound and torch's kernel reads a quarter of bf16's bytes; with more rows it
+# turns compute-bound, and, decoding each weight group again per 4 rows, falls behind. A SmolLM2
+# step's decoder linears, 1 thread (bench/quant_kernels.py):
+# - the bf16 copy in oneDNN (AVX512-BF16, no AMX; busy machine): torch int4 / bf16 = 11 / 60 ms at
+#   1 row, 45 / 72 at 4, 81 / 72 at 8, 148 / 96 at 16 (fp32: 103 at 1, 149 at 16): INT4_MAX_ROWS;
+# - the AMX kernel (Sapphire Rapids): torch int4 / AMX = 6.5 / 9.2 ms at 1 row, 7.9 / 9.2 at 2,
+#   9.5 / 9.5 at 3, 11.1 / 9.8 at 4, 40.5 / 9.0 at 16: INT4_AMX_MAX_ROWS.
 INT4_MAX_ROWS = 6
+INT4_AMX_MAX_ROWS = 2
 
 
 def check_quantization(quantization: str | None) -> str | None:
@@ -88,7 +96,12 @@ class QuantLinear(nn.Module):
         check_shape(method, N, K, dev, group_size)
         self.method, self.group_size, self.in_features, self.out_features = method, group_size, K, N
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.wide: torch.Tensor | None = None  # int4 on CPU: a bf16 oneDNN-packed copy, for > INT4_MAX_ROWS rows
+        # int4 on CPU, for more than `kernel_rows` rows: the AMX kernel's packing of the codes
+        # (codes, block_scales), else a bf16 oneDNN-packed copy (wide), else neither
+        self.wide: torch.Tensor | None = None
+        self.codes: torch.Tensor | None = None
+        self.block_scales: torch.Tensor | None = None
+        self.kernel_rows = INT4_MAX_ROWS
         if method == "int4":
             q, scale, zero = quantize_int4(weight, group_size)
             if dev.type == "cuda":
@@ -97,7 +110,10 @@ class QuantLinear(nn.Module):
                 packed = _aten._convert_weight_to_int4pack_for_cpu(q, 2)  # [N, K/2] uint8, blocked
             self.register_buffer("qweight", packed)
             self.register_buffer("scales", int4_scales_and_zeros(scale, zero))  # [K/g, N, 2] bf16
-            if dev.type == "cpu":  # the same weights, as the kernel reads them (bf16 scales and zeros)
+            if dev.type == "cpu" and _amx_int4():  # the same codes, bf16 scales and zeros
+                self.codes, self.block_scales = pack_int4_bf16dot(q, scale, zero)
+                self.kernel_rows = INT4_AMX_MAX_ROWS
+            elif dev.type == "cpu":  # the same weights, as the kernel reads them (bf16 scales and zeros)
                 self.wide = _packed_bf16(dequantize_int4(q, scale.to(COMPUTE_DTYPE), zero.to(COMPUTE_DTYPE)))
         else:
             q, s = quantize_int8(weight)
@@ -121,7 +137,11 @@ class QuantLinear(nn.Module):
             xs = xf.abs().amax(-1, keepdim=True).clamp_min_(1e-12).div_(127)  # [T, 1]
             acc = torch._int_mm(xf.div(xs).round_().to(torch.int8), self.qweight)  # [T, N] int32, exact
             out = acc.float().mul_(xs).mul_(self.scales).to(x.dtype)
-        elif self.wide is not None and x.shape[0] > INT4_MAX_ROWS:
+        elif self.codes is not None and x.shape[0] > self.kernel_rows:  # [T, in] fp32 -> [T, out] fp32
+            a = x if x.dtype in (torch.float32, COMPUTE_DTYPE) else x.float()
+            out = torch.ops.aiorouter_cpu.int4_linear(a.contiguous(), self.codes, self.block_scales,
+                                                      self.group_size).to(x.dtype)
+        elif self.wide is not None and x.shape[0] > self.kernel_rows:
             out = onednn_rows(x.to(COMPUTE_DTYPE),
                               lambda v: _onednn_linear(v, self.wide, None, "none", [], "")).to(x.dtype)
         else:
@@ -137,9 +157,21 @@ class QuantLinear(nn.Module):
             out = out.to(x.dtype)
         return out + self.bias if self.bias is not None else out
 
+    @property
+    def many_rows(self) -> str | None:
+        """What runs steps of more than `kernel_rows` rows: "amx", "bf16" (oneDNN) or None (torch's kernel)."""
+        return "amx" if self.codes is not None else "bf16" if self.wide is not None else None
+
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.method == "int4" else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.method}{g}"
+        m = f", above {self.kernel_rows} rows {self.many_rows}" if self.many_rows else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.method}{g}{m}"
+
+
+def _amx_int4() -> bool:
+    """Are the CPU kernels built with the AMX int4 linear, and does this CPU (and OS) run it?"""
+    ops = cpu_kernels.load()
+    return ops is not None and bool(ops.int4_linear_available())
 
 
 def _packed_bf16(w: torch.Tensor) -> torch.Tensor | None:

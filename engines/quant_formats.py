@@ -78,3 +78,29 @@ def check_shape(method: str, N: int, K: int, device: torch.device, group_size: i
             raise ValueError("w8a8 (torch._int_mm) needs more than 16 rows on CUDA; keep the layer dense there")
     else:
         raise ValueError(f"unknown quantized linear method {method!r}; use int4, int8 or w8a8")
+
+
+def pack_int4_bf16dot(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] in [0, 15], scale and zero [N, K/g] -> (codes [N/16, K/2, 16] uint8, scales
+    [N/16, K/g, 4, 16] bf16): the layout engines/csrc/int4_linear_cpu.cpp reads.
+
+    One AVX-512 register holds 16 fp32 lanes, and `vdpbf16ps` pairs bf16 elements 2j and 2j+1 in
+    lane j; the kernel decodes 16 codes into w_lo and 16 into w_hi and packs them with one
+    `vcvtne2ps2bf16` (elements 0-15 from w_lo, 16-31 from w_hi). So lane i of w_lo is output i // 2
+    of the block at input 2p + i % 2, and lane i of w_hi output 8 + i // 2: byte i of (block b,
+    input pair p) = q[16b + i//2, 2p + i%2] | q[16b + 8 + i//2, 2p + i%2] << 4. The scales
+    follow the same lanes: [b, g, 0] = d of w_lo's lanes, [1] = d of w_hi's, [2] and [3] the zeros."""
+    N, K = q.shape
+    G = scale.shape[1]
+    if N % 16 or K % 2 or scale.shape != (N, G) or zero.shape != (N, G):
+        raise ValueError(f"pack_int4_bf16dot: q [{N}, {K}] needs N % 16 == 0 and K even, scales [N, K/g]; "
+                         f"got scale {tuple(scale.shape)}, zero {tuple(zero.shape)}")
+    # [N/16, half (lo, hi), 8 outputs, K/2 pairs, 2] -> [N/16, K/2, half, 16 lanes]
+    lanes = q.to(torch.uint8).reshape(N // 16, 2, 8, K // 2, 2).permute(0, 3, 1, 2, 4).reshape(N // 16, K // 2, 2, 16)
+    codes = (lanes[:, :, 0] | (lanes[:, :, 1] << 4)).contiguous()
+
+    def by_lane(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 2 halves, 16 lanes]
+        return t.reshape(N // 16, 2, 8, 1, G).expand(-1, -1, -1, 2, -1).permute(0, 4, 1, 2, 3).reshape(N // 16, G, 2, 16)
+
+    scales = torch.cat([by_lane(scale), by_lane(zero)], 2).to(COMPUTE_DTYPE).contiguous()
+    return codes, scales
