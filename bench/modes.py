@@ -204,7 +204,8 @@ def main(argv=None) -> int:
         served, fit = served_profile(prof, seen) if seen else (prof, None)
         pred = predictions[n] = predict(served, P, tpl_C, tau, n, overhead)
         pred["startup"] = startup
-        pred["served_fit"] = None if fit is None else {"scales": fit.scales, "kappa": fit.kappa, "steps": fit.steps}
+        pred["served_fit"] = None if fit is None else {"scales": fit.scales, "slopes": fit.slopes, "kappa": fit.kappa,
+                                                      "steps": fit.steps}
         if "delayed" in modes:
             if args.delayed_thresholds == "model":
                 # delayed batching is the best schedule the model finds: delayed(B*), eager or sync

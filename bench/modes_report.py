@@ -38,7 +38,7 @@ def markdown(data: dict) -> str:
                    f"{'-' if ratio is None else f'**{ratio:.3f}**'} | {loads} |")
     out += ["", "Steady window (N in flight), tok/s, and the chain's prediction: served (profile refitted on "
             "the sync and eager runs' forwards) / start-up profile only:", "",
-            "| N | sync | eager | delayed | mean in flight (whole run) | served fit: scale, kappa (small, large) |",
+            "| N | sync | eager | delayed | mean in flight (whole run) | served fit: scale/slope scale, kappa (small; large) |",
             "|---|---|---|---|---|---|"]
     for n in sorted(pred, key=int):
         cells = []
@@ -50,8 +50,9 @@ def markdown(data: dict) -> str:
         fl = ", ".join(f"{res[f'{m}@{n}']['mean_in_flight']:.2f}" for m in ("sync", "eager", "delayed")
                        if f"{m}@{n}" in res)
         f = pred[n].get("served_fit") or {}
-        fit = "-" if not f else (f"{f['scales'][0]:.2f}, {f['kappa'][0][1]:.2f}; "
-                                 f"{f['scales'][1]:.2f}, {f['kappa'][1][0]:.2f}")
+        sl = f.get("slopes") or f.get("scales")  # (runs before the shape fit had one scale)
+        fit = "-" if not f else (f"{f['scales'][0]:.2f}/{sl[0]:.2f}, {f['kappa'][0][1]:.2f}; "
+                                 f"{f['scales'][1]:.2f}/{sl[1]:.2f}, {f['kappa'][1][0]:.2f}")
         out.append(f"| {n} | {' | '.join(cells)} | {fl} | {fit} |")
     if sweep:
         out += ["", "| N | predicted best B (start-up) | measured best B, steady (whole run) | steady loss at the "

@@ -24,14 +24,19 @@ _SOURCES = [Path(__file__).parent / "csrc" / f for f in ("paged_attention_cpu.cp
 
 
 def _build_tag() -> str:
-    """Hash of the CPU's feature flags (a build made with -march=native is only valid there) and of
-    the sources' folder: torch's build.ninja names the source paths, so two checkouts sharing one
-    build folder would rebuild it in turn (~15 s each, under a lock every other process waits on)."""
+    """Hash of the CPU's feature flags (a build made with -march=native is only valid there), of
+    the sources' folder (torch's build.ninja names the source paths, so two checkouts sharing one
+    build folder would rebuild it in turn, ~15 s each, under a lock every other process waits on)
+    and of the sources themselves (so an updated checkout builds anew in a folder of its own, and
+    says so, instead of torch rebuilding the old one without a word)."""
     try:
         flags = next(l for l in open("/proc/cpuinfo") if l.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    return hashlib.sha1((flags + str(_SOURCES[0].parent.resolve())).encode()).hexdigest()[:8]
+    h = hashlib.sha1((flags + str(_SOURCES[0].parent.resolve())).encode())
+    for src in _SOURCES:
+        h.update(src.read_bytes())
+    return h.hexdigest()[:8]
 
 
 def _build_dir(name: str) -> Path:
@@ -60,7 +65,7 @@ def load():
         fresh = not (build_dir / f"{name}.so").is_file()
         if fresh:
             print(f"aiorouter: compiling the CPU kernels (paged attention, RMSNorm, int4 linear) into {build_dir}, "
-                  "once per machine (~15 s)", file=sys.stderr, flush=True)
+                  "once per machine and version (~15-25 s)", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], is_python_module=False,
                            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],

@@ -67,6 +67,21 @@ def test_fit_recovers_the_scale_and_kappa_the_steps_were_served_with() -> None:
     assert K[0, 1, 1, 1] == K[0, 1, 8, 8] == pytest.approx(fit.kappa[0][1])  # one kappa at every batch pair
 
 
+def test_fit_bends_the_profile_where_the_batch_part_was_served_at_another_scale() -> None:
+    """The heavy model's served steps cost 1.2x the profile's fixed part but 0.6x its batch part
+    (as the smollm2 large model's did: batching cheaper than the profile's line): the fit finds
+    both, and the step costs it hands the chain are the served ones at every batch."""
+    served = [COST[0], StepCost(1.2 * COST[1].a, 0.6 * COST[1].per_seq, 0.6 * COST[1].per_token)]
+    fit = fit_served(_served(served, [[0.0, 0.35], [0.2, 0.0]], [1.0, 1.0], seconds=6.0, heavy_gap=30e-3), COST)
+    assert fit.scales[1] == pytest.approx(1.2, rel=0.05)
+    assert fit.slopes[1] == pytest.approx(0.6, rel=0.1)
+    costs = fit.step_costs(COST)
+    for b, T in ((1, 1), (4, 12)):
+        assert costs[1](b, T) == pytest.approx(served[1](b, T), rel=0.05)
+    # (no single scale could: served / profiled is 1.16 at one sequence and token, 0.95 at 4 x 3)
+    assert served[1](1, 1) / COST[1](1, 1) > 1.15 and served[1](4, 12) / COST[1](4, 12) < 0.96
+
+
 def test_fit_where_the_overlap_barely_varies_takes_kappa_from_the_profile() -> None:
     """The light model steps with short gaps, so it always overlaps the heavy one: its scale and
     kappa cannot be told apart; kappa is the profile's and the scale takes the rest."""
@@ -97,7 +112,10 @@ def test_fit_takes_decode_latency_models_too() -> None:
                     heavy_gap=30e-3)
     fit = fit_served(spans, lats)
     assert fit.kappa[0][1] == pytest.approx(0.3, abs=0.03)
-    assert fit.latencies(lats)[1](4) == pytest.approx(lats[1](4) * fit.scales[1])
+    fitted = fit.latencies(lats)[1]  # served as profiled: both scales near 1, each on its own part
+    assert (fitted.a, fitted.c) == (pytest.approx(lats[1].a * fit.scales[1]), pytest.approx(lats[1].c * fit.slopes[1]))
+    for b in (1, 4):
+        assert fitted(b) == pytest.approx(lats[1](b), rel=0.03)
 
 
 @settings(max_examples=60, deadline=None)

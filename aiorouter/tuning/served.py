@@ -20,6 +20,18 @@ seconds alone, and that work is s_i * c_i(b, T). Two steps:
    that sleep through their steps.
 2. s_i from the total: sum of s_i c_i = sum of t (1 - sum_j kappa_ij o_ij), so the chain charges
    exactly the time the model's steps took.
+3. The shape: where the model served steps of varied batches, the work of a step is fitted as
+   s_a a_i + s_v (c_i(b, T) - a_i) (non-negative least squares), the fixed part and the part
+   that grows with the batch each on its own scale, and both are then scaled so that the totals
+   agree as in 2. One scale cannot bend the profile's line, and served batches can cost more or
+   less per sequence than the start-up profile's fit says. On cpu-tiny (bench.modes, fit on the
+   sync and eager runs) it found the small model's fixed part at 1.8x and its batch part at
+   1.2x, and the large model's at 1.02x and 1.12x; the chain's error over the N = 8 sweep went
+   from +0.5..+12.0 % to +0.9..+7.6 %. At N = 16 it stayed high (+8..+17 %, was +2..+14 %): the
+   fit sees the batches sync and eager served (mean 3.6-7 for the large model), and delayed runs
+   it at 12.7. The runtime's own re-solves fit the spans of the schedule it runs.
+   Where the batch part varies too little between steps (10th to 90th percentile under
+   MIN_SHAPE_SPREAD of the mean step), the shape is not identified and both scales are s_i.
 
 Where the overlap share barely varies (a light model that overlaps in every step) the slope is
 not identified (its standard error above 0.25, or the shares' 10th to 90th percentile under
@@ -45,6 +57,7 @@ MAX_KAPPA_SE = 0.25  # a kappa less certain than this is not identified by the o
 # ... nor one whose overlap shares span less than this between their 10th and 90th percentiles:
 # a few odd steps (a first prefill that ran alone) would otherwise set the intercept
 MIN_OVERLAP_SPREAD = 0.2
+MIN_SHAPE_SPREAD = 0.2  # the batch part's spread, as a share of the mean step, that identifies the shape
 
 
 class StepSpan(NamedTuple):
@@ -84,12 +97,15 @@ def overlap_shares(mine: Sequence[StepSpan], other: Sequence[StepSpan]) -> np.nd
 class ServedFit:
     """Per model: scale on the profiled step cost (1: as profiled) and, per other model, kappa."""
 
-    scales: tuple[float, ...]
+    scales: tuple[float, ...]  # on the fixed part of the step cost (on all of it where slopes is empty)
     kappa: tuple[tuple[float, ...], ...]  # kappa[i][j]: share of i's progress lost while j steps
     steps: tuple[int, ...]  # spans each model's fit used (0: too few; that model kept the profile)
     # per model, seconds of its profiled step that are not the forward and are not scaled (the
     # hop to the worker and back, where the profile timed the step from the event loop)
     fixed: tuple[float, ...] = ()
+    # per model, the scale on the part of the step cost that grows with the batch (its shape;
+    # equal to `scales` where the steps did not identify it); empty: `scales` throughout
+    slopes: tuple[float, ...] = ()
 
     def contention(self) -> Contention:
         """As the chain takes it: one kappa per ordered pair, at every batch size."""
@@ -99,12 +115,16 @@ class ServedFit:
     def _fixed(self, i: int) -> float:
         return self.fixed[i] if self.fixed else 0.0
 
+    def _slope(self, i: int) -> float:
+        return self.slopes[i] if self.slopes else self.scales[i]
+
     def step_costs(self, costs: Sequence[StepCost]) -> list[StepCost]:
-        return [StepCost(max(c.a - self._fixed(i), 0.0) * s + self._fixed(i), c.per_seq * s, c.per_token * s)
+        return [StepCost(max(c.a - self._fixed(i), 0.0) * s + self._fixed(i), c.per_seq * self._slope(i),
+                         c.per_token * self._slope(i))
                 for i, (c, s) in enumerate(zip(costs, self.scales))]
 
     def latencies(self, lats: Sequence[LatencyModel]) -> list[LatencyModel]:
-        return [LatencyModel(max(m.a - self._fixed(i), 0.0) * s + self._fixed(i), m.c * s)
+        return [LatencyModel(max(m.a - self._fixed(i), 0.0) * s + self._fixed(i), m.c * self._slope(i))
                 for i, (m, s) in enumerate(zip(lats, self.scales))]
 
 
@@ -123,6 +143,7 @@ def fit_served(spans: Sequence[Sequence[StepSpan]], cost: Sequence[object], min_
                          + ("" if fixed is None else f" and {len(fixed)} fixed times"))
     fixed_t = tuple(float(f) for f in fixed) if fixed is not None else (0.0,) * M
     scales, kappa, used = [1.0] * M, [[0.0] * M for _ in range(M)], [0] * M
+    slopes = [1.0] * M
     for i in range(M):
         mine = [x for x in spans[i] if x.seconds > 0]
         if len(mine) < min_spans:
@@ -135,14 +156,38 @@ def fit_served(spans: Sequence[Sequence[StepSpan]], cost: Sequence[object], min_
         ks = _kappa_from_speed(base / t, o[:, free]) if free else np.zeros(0)
         if ks is None:  # not identified: kappa as profiled
             ks = np.array([_mean_kappa(prior, i, others[col]) for col in free])
-        work = (t * (1.0 - o[:, free] @ np.minimum(ks, MAX_KAPPA))).sum() if free else t.sum()
-        scales[i] = float(work / max(base.sum(), 1e-18))
+        work = t * (1.0 - o[:, free] @ np.minimum(ks, MAX_KAPPA)) if free else t  # [n] seconds alone
+        scales[i] = slopes[i] = float(work.sum() / max(base.sum(), 1e-18))
+        shape = _shape(work, base, min(max(_fixed_part(cost[i]) - fixed_t[i], 0.0), float(base.min())))
+        if shape is not None:
+            scales[i], slopes[i] = shape
         for k, col in zip(ks, free):
             kappa[i][others[col]] = float(min(MAX_KAPPA, max(0.0, k)))
-        if not (math.isfinite(scales[i]) and scales[i] > 0):
-            scales[i] = 1.0
+        if not (math.isfinite(scales[i]) and scales[i] > 0 and math.isfinite(slopes[i]) and slopes[i] > 0):
+            scales[i] = slopes[i] = 1.0
         used[i] = len(mine)
-    return ServedFit(tuple(scales), tuple(tuple(r) for r in kappa), tuple(used), fixed_t)
+    return ServedFit(tuple(scales), tuple(tuple(r) for r in kappa), tuple(used), fixed_t, tuple(slopes))
+
+
+def _fixed_part(c: object) -> float:
+    """The profiled step cost's part that does not grow with the batch (a)."""
+    return float(c.a) if isinstance(c, (StepCost, LatencyModel)) else 0.0
+
+
+def _shape(work: np.ndarray, base: np.ndarray, a: float) -> tuple[float, float] | None:
+    """work ~ s_a a + s_v (base - a), then both scaled so the totals agree -> (s_a, s_v); None
+    where the batch part does not vary enough to tell them apart (MIN_SHAPE_SPREAD) or the fit
+    leaves either at zero."""
+    from scipy.optimize import nnls
+
+    var = np.maximum(base - a, 0.0)
+    if a <= 0 or np.percentile(var, 90) - np.percentile(var, 10) < MIN_SHAPE_SPREAD * base.mean():
+        return None
+    (s_a, s_v), _ = nnls(np.column_stack([np.full(len(var), a), var]), work)
+    if s_a <= 0 or s_v <= 0:
+        return None
+    k = work.sum() / (s_a * a * len(var) + s_v * var.sum())
+    return float(s_a * k), float(s_v * k)
 
 
 def _mean_kappa(prior: Contention | None, i: int, j: int) -> float:
