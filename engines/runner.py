@@ -217,7 +217,7 @@ class ModelRunner:
             params, gens, V = [s.sampling for s in seqs], [s.generator for s in seqs], self.sample_vocab
             bad = nonfinite_rows(logits[:, :V])  # [B] bool: those sequences fail alone, the rest commit
             if not self.cuda:
-                tokens = sample(logits[:, :V], params, gens)
+                tokens = sample(logits[:, :V], params, gens, bad)
                 return ForwardOutput(seqs, logits, tokens.tolist(), last.float() if want_hidden else None,
                                      tuple(bad.nonzero().flatten().tolist()))
             tokens = sample_batched(logits[:, :V], params, gens)

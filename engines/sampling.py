@@ -60,26 +60,30 @@ def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
     return ~(torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1)))
 
 
-def _finite(logits: torch.Tensor) -> torch.Tensor:
+def _finite(logits: torch.Tensor, bad: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] with every non-finite row set to zeros. Left as they are, one NaN row makes
     `multinomial` raise (failing the whole batch) and argmax return an arbitrary id; a zero row
     draws an id inside the vocabulary, a placeholder the caller discards (the runner reports the
-    rows, `ForwardOutput.bad_rows`, and the sequence fails alone)."""
-    bad = nonfinite_rows(logits)  # [B]
+    rows, `ForwardOutput.bad_rows`, and the sequence fails alone). `bad`: nonfinite_rows(logits),
+    where the caller has it already."""
+    bad = nonfinite_rows(logits) if bad is None else bad  # [B]
     if logits.device.type == "cpu" and not bool(bad.any()):  # the usual case, and free to ask on the host
         return logits
     return logits.masked_fill(bad[:, None], 0.0)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           bad: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] (any float dtype) -> token ids [B] (int64), each in [0, V).
 
     Greedy rows take argmax (ties go to the lowest id, as HF does). Other rows are filtered
     (top-k, top-p, min-p) on the temperature-scaled distribution and drawn with the
     request's own generator when it has a seed, so a seeded request samples the same
     tokens whatever batch it lands in. A row with NaN or inf draws a placeholder (`_finite`).
+    `bad`: those rows, where the caller has them (the runner reports them too, and a step
+    computed them twice: 2 of a cpu-tiny small step's 4 isfinite calls).
     """
-    logits = _finite(logits)
+    logits = _finite(logits, bad)
     out = torch.argmax(logits, dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:

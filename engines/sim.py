@@ -58,14 +58,15 @@ class SimRunner:
             else torch.empty(0, self.cfg.vocab_size)
         if self.fault_hook is not None and seqs:
             self.fault_hook(seqs, logits)
-        tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs]).tolist() if seqs else []
+        bad = nonfinite_rows(logits)  # [B] bool
+        tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs], bad).tolist() if seqs else []
         hidden = torch.zeros(len(seqs), self.cfg.hidden_size) if want_hidden else None
         self.num_batches += 1
         # sleep the remainder of L(b): the bookkeeping above counts as part of the step
         rest = self.latency(len(batch)) - (time.perf_counter() - t0)
         if rest > 0:
             time.sleep(rest)
-        return ForwardOutput(seqs, logits, tokens, hidden, tuple(nonfinite_rows(logits).nonzero().flatten().tolist()))
+        return ForwardOutput(seqs, logits, tokens, hidden, tuple(bad.nonzero().flatten().tolist()))
 
 
 class SimEngine(Engine):
