@@ -8,7 +8,7 @@ output head; the embedding table stays dense (a step reads one row of it per tok
   torch's CPU int4 kernel decodes each group again per 4 rows, so at batch 16 it costs as much
   as fp32; steps of more rows take another path. Where the CPU has AMX-BF16, it is the
   project's AMX kernel on a second packing of the same codes (engines/csrc/int4_linear_cpu.cpp,
-  1.25 bytes per weight in all): 9 against fp32's 51 ms for a SmolLM2 step's decoder linears at
+  1.375 bytes per weight in all): 9 against fp32's 51 ms for a SmolLM2 step's decoder linears at
   16 rows, 1 thread. Elsewhere it is a bf16 copy of the same weights in oneDNN (2.5 bytes per
   weight), where oneDNN has bf16. int8 activations (fbgemm's VNNI GEMM) were tried for those
   rows and dropped: greedy top-1 agreement with the fp32 model fell from 97.6% to 83%

@@ -8,7 +8,7 @@
 // instruction issues every other cycle). oneDNN's bf16 GEMM on AMX took 15 ms but reads 2 bytes
 // per weight. Here each weight is decoded once per call (per 96 rows), into one AMX B tile of
 // 16 outputs x 32 inputs, and meets up to six 16-row A tiles in `tdpbf16ps`: a step reads 0.5
-// byte of code and 0.125 byte of scales per weight.
+// byte of code and 0.25 byte of scales per weight (d and z are held for each of the 2 lanes).
 //
 // Decoding: 16 bytes of codes -> 32 bf16 weights, one B tile row (16 outputs x 2 inputs, the VNNI
 // pairs `tdpbf16ps` takes). w is formed in fp32 as fma(q, d, z - 8 d), which equals (q - 8) d + z
