@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     methods = ["fp32", "int4", "int4-kernel", "int4-amx", "bf16", "int8", "w8a8", "fbgemm", "int4-fp32act"]
-    if not (cpu_kernels.load() is not None and cpu_kernels.load().int4_linear_available()):
+    if not cpu_kernels.int4_amx_available():
         methods.remove("int4-amx")
     # 2-8: where torch's int4 kernel crosses bf16 (INT4_MAX_ROWS) and the AMX kernel (INT4_AMX_MAX_ROWS)
     rows = (1, 2, 3, 4, 8, 16)

@@ -79,3 +79,9 @@ def load():
                       "SDPA (~2x slower for decodes) and RMSNorm to torch ops. They need a C++ compiler (g++) "
                       "and ninja.", RuntimeWarning, stacklevel=2)
         return None
+
+
+def int4_amx_available() -> bool:
+    """Are the CPU kernels built with the AMX int4 linear, and does this CPU (and OS) run it?"""
+    ops = load()
+    return ops is not None and bool(ops.int4_linear_available())

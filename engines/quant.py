@@ -110,7 +110,7 @@ class QuantLinear(nn.Module):
                 packed = _aten._convert_weight_to_int4pack_for_cpu(q, 2)  # [N, K/2] uint8, blocked
             self.register_buffer("qweight", packed)
             self.register_buffer("scales", int4_scales_and_zeros(scale, zero))  # [K/g, N, 2] bf16
-            if dev.type == "cpu" and _amx_int4():  # the same codes, bf16 scales and zeros
+            if dev.type == "cpu" and cpu_kernels.int4_amx_available():  # the same codes, bf16 scales and zeros
                 self.codes, self.block_scales = pack_int4_bf16dot(q, scale, zero)
                 self.kernel_rows = INT4_AMX_MAX_ROWS
             elif dev.type == "cpu":  # the same weights, as the kernel reads them (bf16 scales and zeros)
@@ -166,12 +166,6 @@ class QuantLinear(nn.Module):
         g = f", group_size={self.group_size}" if self.method == "int4" else ""
         m = f", above {self.kernel_rows} rows {self.many_rows}" if self.many_rows else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.method}{g}{m}"
-
-
-def _amx_int4() -> bool:
-    """Are the CPU kernels built with the AMX int4 linear, and does this CPU (and OS) run it?"""
-    ops = cpu_kernels.load()
-    return ops is not None and bool(ops.int4_linear_available())
 
 
 def _packed_bf16(w: torch.Tensor) -> torch.Tensor | None:

@@ -84,12 +84,13 @@ def pack_int4_bf16dot(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) 
     """q [N, K] in [0, 15], scale and zero [N, K/g] -> (codes [N/16, K/2, 16] uint8, scales
     [N/16, K/g, 4, 16] bf16): the layout engines/csrc/int4_linear_cpu.cpp reads.
 
-    One AVX-512 register holds 16 fp32 lanes, and `vdpbf16ps` pairs bf16 elements 2j and 2j+1 in
-    lane j; the kernel decodes 16 codes into w_lo and 16 into w_hi and packs them with one
-    `vcvtne2ps2bf16` (elements 0-15 from w_lo, 16-31 from w_hi). So lane i of w_lo is output i // 2
-    of the block at input 2p + i % 2, and lane i of w_hi output 8 + i // 2: byte i of (block b,
-    input pair p) = q[16b + i//2, 2p + i%2] | q[16b + 8 + i//2, 2p + i%2] << 4. The scales
-    follow the same lanes: [b, g, 0] = d of w_lo's lanes, [1] = d of w_hi's, [2] and [3] the zeros."""
+    A row of an AMX B tile for `tdpbf16ps` is 16 outputs x 2 inputs: bf16 elements 2j and 2j+1 are
+    output j's weights at inputs 2p and 2p+1. The kernel decodes 16 codes into the 16 fp32 lanes
+    of w_lo and 16 into w_hi, and packs both into one row with `vcvtne2ps2bf16` (elements 0-15
+    from w_lo, 16-31 from w_hi). So lane i of w_lo is output i // 2 of the block at input
+    2p + i % 2, and lane i of w_hi output 8 + i // 2: byte i of (block b, input pair p) =
+    q[16b + i//2, 2p + i%2] | q[16b + 8 + i//2, 2p + i%2] << 4. The scales follow the same
+    lanes: [b, g, 0] = d of w_lo's lanes, [1] = d of w_hi's, [2] and [3] the zeros."""
     N, K = q.shape
     G = scale.shape[1]
     if N % 16 or K % 2 or scale.shape != (N, G) or zero.shape != (N, G):

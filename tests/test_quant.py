@@ -111,15 +111,14 @@ def test_amx_packing_refuses_shapes_it_cannot_lay_out():
 
 def test_int4_layers_take_the_amx_kernel_exactly_where_the_cpu_has_it():
     lin = QuantLinear(torch.randn(32, 64), None, "int4")
-    ops = cpu_kernels.load()
-    amx = ops is not None and ops.int4_linear_available()
+    amx = cpu_kernels.int4_amx_available()
     assert (lin.many_rows == "amx") == amx
     assert lin.kernel_rows == (INT4_AMX_MAX_ROWS if amx else INT4_MAX_ROWS)
     if not amx:  # then the packing the AMX kernel reads is not kept
         assert lin.codes is None and lin.block_scales is None
 
 
-needs_amx = pytest.mark.skipif(not (cpu_kernels.load() is not None and cpu_kernels.load().int4_linear_available()),
+needs_amx = pytest.mark.skipif(not cpu_kernels.int4_amx_available(),
                                reason="needs a CPU with AMX-BF16 (the kernel is not built or cannot run here)")
 
 
