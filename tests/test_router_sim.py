@@ -85,7 +85,7 @@ def test_eager_beats_sync_at_n4():
         async with Router({"small": {"engine": "sim", "latency_ms": 6.0},
                            "large": {"engine": "sim", "latency_ms": 27.9}},
                           policy="random", policy_args={"p": 0.35, "seed": 1}, mode=mode) as r:
-            return await closed_loop(r, 4, total_requests=12, max_tokens=40)
+            return await closed_loop(r, 4, total_requests=32, max_tokens=40)
 
     sync = asyncio.run(measure("sync"))
     eager = asyncio.run(measure("eager"))
