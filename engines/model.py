@@ -17,7 +17,7 @@ from torch import nn
 from engines.attention import AttentionBackend
 from engines.config import ModelConfig
 from engines.kv_cache import KVPool
-from engines.onednn_rows import onednn_rows
+from engines.onednn_rows import ONEDNN_LINEAR, packed_linear
 
 
 class AttnContext(NamedTuple):
@@ -28,12 +28,8 @@ class AttnContext(NamedTuple):
     sin: torch.Tensor  # [T, 1, D] rotary sin with rotate_half's sign folded in (see `signed_sin`)
 
 
-# oneDNN linear on a pre-packed weight (what inductor's CPU freezing pass emits); None if absent
-_onednn_linear = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)
-
-
 def _onednn_ok(w: torch.Tensor) -> bool:
-    if w.device.type != "cpu" or _onednn_linear is None or not torch.backends.mkldnn.is_available():
+    if w.device.type != "cpu" or ONEDNN_LINEAR is None or not torch.backends.mkldnn.is_available():
         return False
     if w.dtype == torch.float32:
         return True
@@ -66,7 +62,7 @@ class Linear(nn.Linear):
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
             probe = torch.linspace(-1, 1, self.in_features, dtype=w.dtype)[None]  # [1, in]
-            ok = torch.allclose(_onednn_linear(probe, packed, self.bias, "none", [], ""),
+            ok = torch.allclose(ONEDNN_LINEAR(probe, packed, self.bias, "none", [], ""),
                                 F.linear(probe, w, self.bias), rtol=1e-2, atol=1e-2)
         except RuntimeError:
             return False
@@ -80,7 +76,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [T, in] -> [T, out]
         if self.packed is not None:
-            return onednn_rows(x, lambda v: _onednn_linear(v, self.packed, self.bias, "none", [], ""))
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from engines import cpu_kernels
-from engines.onednn_rows import onednn_rows
+from engines.onednn_rows import ONEDNN_LINEAR, packed_linear
 from engines.quant_formats import (
     COMPUTE_DTYPE,
     check_shape,
@@ -53,7 +53,6 @@ SCHEMES: dict[str, tuple[str, str | None]] = {"int4": ("int4", "w8a8"), "int8": 
 QUANTIZATIONS = tuple(SCHEMES)
 CONFIG_KEY = "aiorouter_quantization"  # config.json key of a checkpoint that asks to be loaded quantized
 _aten = torch.ops.aten
-_onednn_linear = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)
 # Above this many rows an int4 CPU layer leaves torch's int4 kernel for its many-row path. At 1
 # row a step is memory-bound and torch's kernel reads a quarter of bf16's bytes; with more rows it
 # turns compute-bound, and, decoding each weight group again per 4 rows, falls behind. A SmolLM2
@@ -142,8 +141,7 @@ class QuantLinear(nn.Module):
             out = torch.ops.aiorouter_cpu.int4_linear(a.contiguous(), self.codes, self.block_scales,
                                                       self.group_size).to(x.dtype)
         elif self.wide is not None and x.shape[0] > self.kernel_rows:
-            out = onednn_rows(x.to(COMPUTE_DTYPE),
-                              lambda v: _onednn_linear(v, self.wide, None, "none", [], "")).to(x.dtype)
+            out = packed_linear(x.to(COMPUTE_DTYPE), self.wide, None).to(x.dtype)
         else:
             a = x.to(COMPUTE_DTYPE)
             if not a.is_contiguous() or a.data_ptr() % 64:  # the kernels load whole aligned rows
@@ -171,7 +169,7 @@ class QuantLinear(nn.Module):
 def _packed_bf16(w: torch.Tensor) -> torch.Tensor | None:
     """w [N, K] -> w rounded to bf16 in oneDNN's blocked layout; None where oneDNN has no bf16
     (the int4 kernel then takes every row count)."""
-    if _onednn_linear is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(w.to(COMPUTE_DTYPE).contiguous(), None)
 

@@ -20,7 +20,7 @@ from engines.cuda_graph import DECODE_BUCKETS, StepGraphs
 from engines.devices import LayerSlice, StageKV, host_tensor, split_layers
 from engines.kv_cache import KVPool
 from engines.model import AttnContext, CausalLM, rope_cache, signed_sin
-from engines.sampling import nonfinite_rows, sample, sample_batched
+from engines.sampling import nonfinite_host_rows, nonfinite_rows, sample, sample_batched
 from engines.sequence import Sequence
 from engines.streams import StreamFactory
 
@@ -214,13 +214,14 @@ class ModelRunner:
             logits = self.model.compute_logits(last)  # [B, vocab] fp32
             if self.fault_hook is not None:
                 self.fault_hook(seqs, logits)
-            params, gens, V = [s.sampling for s in seqs], [s.generator for s in seqs], self.sample_vocab
-            bad = nonfinite_rows(logits[:, :V])  # [B] bool: those sequences fail alone, the rest commit
-            if not self.cuda:
-                tokens = sample(logits[:, :V], params, gens, bad)
-                return ForwardOutput(seqs, logits, tokens.tolist(), last.float() if want_hidden else None,
-                                     tuple(bad.nonzero().flatten().tolist()))
-            tokens = sample_batched(logits[:, :V], params, gens)
+            params, gens = [s.sampling for s in seqs], [s.generator for s in seqs]
+            tok_logits = logits if self.sample_vocab is None else logits[:, :self.sample_vocab]  # [B, V]
+            if not self.cuda:  # NaN/inf rows: those sequences fail alone, the rest commit
+                bad_rows = nonfinite_host_rows(tok_logits)
+                tokens = sample(tok_logits, params, gens, bad_rows)
+                return ForwardOutput(seqs, logits, tokens.tolist(), last.float() if want_hidden else None, bad_rows)
+            bad = nonfinite_rows(tok_logits)  # [B] bool, read back with the tokens
+            tokens = sample_batched(tok_logits, params, gens)
             # the step's only wait: copies into pinned memory, then one event, waited on in this thread
             host = [t.to("cpu", non_blocking=True) for t in (tokens, logits, bad, last.float() if want_hidden else None)
                     if t is not None]

@@ -10,7 +10,7 @@ import torch
 from engines.config import EngineConfig, ModelConfig
 from engines.engine import Engine
 from engines.runner import ForwardOutput, ScheduledSeq, StepFaultHook
-from engines.sampling import nonfinite_rows, sample
+from engines.sampling import nonfinite_host_rows, sample
 
 
 class ByteTokenizer:
@@ -58,7 +58,7 @@ class SimRunner:
             else torch.empty(0, self.cfg.vocab_size)
         if self.fault_hook is not None and seqs:
             self.fault_hook(seqs, logits)
-        bad = nonfinite_rows(logits)  # [B] bool
+        bad = nonfinite_host_rows(logits)
         tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs], bad).tolist() if seqs else []
         hidden = torch.zeros(len(seqs), self.cfg.hidden_size) if want_hidden else None
         self.num_batches += 1
@@ -66,7 +66,7 @@ class SimRunner:
         rest = self.latency(len(batch)) - (time.perf_counter() - t0)
         if rest > 0:
             time.sleep(rest)
-        return ForwardOutput(seqs, logits, tokens, hidden, tuple(bad.nonzero().flatten().tolist()))
+        return ForwardOutput(seqs, logits, tokens, hidden, bad)
 
 
 class SimEngine(Engine):

@@ -71,8 +71,11 @@ def test_no_host_sync_on_cuda():
 @given(rows=st.lists(st.lists(st.sampled_from([0.0, 1.5, -3.0, float("nan"), float("inf"), float("-inf")]),
                               min_size=1, max_size=12), min_size=1, max_size=6).filter(lambda r: len({len(x) for x in r}) == 1),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
-def test_nonfinite_rows_by_max_and_min_equal_the_elementwise_check(rows, dtype):
-    """The max/min shortcut flags exactly the rows that hold a NaN or an infinity."""
-    from engines.sampling import nonfinite_rows
+def test_nonfinite_rows_by_row_sum_equal_the_elementwise_check(rows, dtype):
+    """The row-sum shortcut flags exactly the rows that hold a NaN or an infinity, in its tensor
+    form and in its host form."""
+    from engines.sampling import nonfinite_host_rows, nonfinite_rows
     x = torch.tensor(rows, dtype=dtype)  # [B, V]
-    assert nonfinite_rows(x).tolist() == (~torch.isfinite(x).all(dim=-1)).tolist()
+    want = (~torch.isfinite(x).all(dim=-1)).tolist()
+    assert nonfinite_rows(x).tolist() == want
+    assert nonfinite_host_rows(x) == tuple(i for i, b in enumerate(want) if b)
