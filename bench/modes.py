@@ -10,8 +10,9 @@ Per N, in one invocation: sync and eager run first (thresholds 1); the model the
 routing they observed, and delayed runs the schedule it predicts best (`model`: delayed with B* forced
 via Router(thresholds=...), or eager, or sync, whichever it predicts best; recorded as "schedule")
 or the router's own start-up tuner's schedule at N (`auto`). `--sweep` also runs
-delayed at every large-model threshold 1..N (small-model threshold as predicted), so the
-measured best threshold can be read against the predicted one. Writes DIR/modes.json:
+delayed at every large-model threshold 1..N (small-model threshold as predicted; each point
+`--rounds` times, its median kept), so the measured best threshold can be read against the
+predicted one. Writes DIR/modes.json:
 {"results": {"<mode>@<N>": {"tok_s", "predicted_tok_s", ...}}, "predictions": {N: ...},
 "sweep": {N: {"<B>": {...}}}, "summary": {N: ...}}.
 
@@ -139,6 +140,31 @@ def summarise(n: int, results: dict, pred: dict, sweep: dict) -> dict:
     return out
 
 
+SWEEP_KEYS = ("tok_s", "steady_tok_s", "mean_in_flight", "mean_batch", "busy", "step_ms", "load_avg", "outside_load_cores")
+
+
+def run_sweep(run, n: int, b0: int, rounds: int) -> dict:
+    """Delayed at every feasible large-model threshold with the small one at b0, each `rounds`
+    times, the points in turn (round r starts r points later), so drift over the sweep hits every
+    point alike. A point's tok_s and steady_tok_s are the medians of its runs, the rest its median
+    run's. One run a point read the cpu-tiny N = 16 sweep's best B 7.5 % above the predicted one
+    on a single run whose neighbours were 5-9 % below it (bench/results/modes-final-cpu-tiny)."""
+    points = [(b0, b1) for b1 in range(1, n - b0 + 2)]  # feasible: (b0 - 1) + (b1 - 1) < n
+    runs: dict[tuple[int, int], list[dict]] = {b: [] for b in points}
+    for rnd in range(rounds):
+        for b in points[rnd % len(points):] + points[:rnd % len(points)]:
+            runs[b].append(run({"small": b[0], "large": b[1]}))
+    out = {}
+    for b, rs in runs.items():
+        mid = sorted(rs, key=lambda r: r["steady_tok_s"])[len(rs) // 2]
+        out[f"{b[0]},{b[1]}"] = {**{k: mid[k] for k in SWEEP_KEYS},
+                                 "tok_s": float(np.median([r["tok_s"] for r in rs])),
+                                 "steady_tok_s": float(np.median([r["steady_tok_s"] for r in rs])),
+                                 "rounds_tok_s": [r["tok_s"] for r in rs],
+                                 "rounds_steady_tok_s": [r["steady_tok_s"] for r in rs]}
+    return out
+
+
 def gated_profile(pair, cap: int, gate: float | None, patience: float):
     """(profile, other processes' cores while it ran). Gated: measured afresh (not from the
     contention cache) until other processes stayed under the gate."""
@@ -163,8 +189,9 @@ def main(argv=None) -> int:
                     help="at least this many requests a run: at N = 1, 2 requests (~2.5 s) moved a run by 15%%")
     ap.add_argument("--delayed-thresholds", choices=("model", "auto"), default="model")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="run sync, eager and delayed this many times each, in turn, and report each one's "
-                         "median run (at N = 1 the three are one schedule, and runs of it differ by 5-8 %%)")
+                    help="run sync, eager and delayed (and each --sweep point) this many times each, in turn, "
+                         "and report each one's median run (at N = 1 the three are one schedule, and runs of it "
+                         "differ by 5-8 %%)")
     ap.add_argument("--sweep", action="store_true", help="also run delayed at every large threshold 1..N")
     ap.add_argument("--quiet-gate", type=float, default=None, metavar="CORES",
                     help="measure only while other processes use fewer cores than this")
@@ -239,12 +266,8 @@ def main(argv=None) -> int:
                         results[f"{m}@{n}"].pop("schedule")
         sweep = {}
         if args.sweep and n > 1:
-            b0 = pred["best_thresholds"][0]
-            for b1 in range(1, n - b0 + 2):  # feasible: (b0 - 1) + (b1 - 1) < n
-                r = run("delayed", n, total, {"small": b0, "large": b1})
-                sweep[f"{b0},{b1}"] = {k: r[k] for k in ("tok_s", "steady_tok_s", "mean_in_flight", "mean_batch", "busy", "step_ms", "load_avg",
-                                                         "outside_load_cores")}
-            sweeps[n] = sweep
+            sweep = sweeps[n] = run_sweep(lambda th: run("delayed", n, total, th), n, pred["best_thresholds"][0],
+                                          args.rounds)
         for key in [k for k in results if k.endswith(f"@{n}")]:
             mode = results[key].get("schedule", key.split("@")[0])  # delayed@N may have run eager or sync
             th = results[key].get("thresholds")

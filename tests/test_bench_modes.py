@@ -92,3 +92,22 @@ def test_served_profile_scales_the_profile_to_the_runs_forwards():
     assert fit.scales == pytest.approx((1.0, 1.2)) and fit.steps == (60, 60)
     assert served.costs[1](2, 4) == pytest.approx(1.2 * cost[1](2, 4))
     assert served.contention.is_zero
+
+
+def test_sweep_runs_every_point_each_round_in_turn_and_keeps_medians():
+    from bench.modes import SWEEP_KEYS, run_sweep
+    calls, readings = [], iter([100, 90, 80, 110, 95, 85, 120, 70, 90])
+
+    def run(th):
+        calls.append((th["small"], th["large"]))
+        v = float(next(readings))
+        return {**{k: 0.0 for k in SWEEP_KEYS}, "tok_s": v, "steady_tok_s": v + 1}
+
+    out = run_sweep(run, n=4, b0=2, rounds=3)
+    # feasible: (b0 - 1) + (b1 - 1) < 4 -> b1 in 1..3; each round starts one point later
+    assert calls == [(2, 1), (2, 2), (2, 3), (2, 2), (2, 3), (2, 1), (2, 3), (2, 1), (2, 2)]
+    assert list(out) == ["2,1", "2,2", "2,3"]
+    # (2,1) read 100, 85, 70; (2,2) 90, 110, 90; (2,3) 80, 95, 120
+    assert [out[b]["tok_s"] for b in out] == [85.0, 90.0, 95.0]
+    assert [out[b]["steady_tok_s"] for b in out] == [86.0, 91.0, 96.0]
+    assert out["2,1"]["rounds_tok_s"] == [100.0, 85.0, 70.0]
