@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="sync,eager,delayed")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--min-requests", type=int, default=8, help="at least this many requests a run (as bench.modes)")
     args = ap.parse_args(argv)
     small, large = tiny_qwen3("small"), tiny_qwen3("large")
     rng = random.Random(0)
@@ -41,7 +42,7 @@ def main(argv=None) -> int:
     for n in (int(x) for x in args.concurrency.split(",")):
         for mode in args.modes.split(","):
             out[f"{mode}@{n}"] = asyncio.run(run_mode(mode, n, prompts, args.tokens,
-                                                      n * args.requests_per_client, small, large))
+                                                      max(n * args.requests_per_client, args.min_requests), small, large))
     print(json.dumps(out))
     return 0
 

@@ -199,15 +199,24 @@ def test_router_learns_the_loop_work_per_step() -> None:
             # the drift trigger is turned off (no entry of P can move by more than 1).
             svc.tuner.config = replace(svc.tuner.config, drift_margin=1.0)
             assert svc.step_costs() is None  # nothing served yet
-            await closed_loop(r, 4, 6, [100])
+            # enough load that a re-solve comes after each model's first MIN_STEP_SAMPLES steps
+            # (with 6 requests the only re-solve could come before them, on the served refit alone)
+            await closed_loop(r, 4, 14, [100])
             await svc.wait_resolved()
             costs = svc.step_costs()
             assert costs is not None and all(c(1) > 0 for c in costs)
             tuner = svc.tuner
             assert tuner.last is not None and tuner.last.cost_moved and not tuner.last.drift.drifted
-            # solved with more than the profile: the profile plus the cost measured at that re-solve
-            for solved, profiled in zip(tuner.latency, tuner.config.latency):
-                assert solved(1) > profiled(1) and solved.c >= profiled.c
+            # solved with the loop's work on top of the step times: the (served-scaled) profile
+            # plus the cost measured at that re-solve. (Not against the start-up profile itself:
+            # the served scale may sit below 1 where the start-up profile ran on a busy machine,
+            # as it once did in the suite: 6.36 against a profiled 6.44 ms.)
+            last = tuner.last
+            assert last.step_cost is not None and all(c(1) > 0 for c in last.step_cost)
+            assert tuner.latency == tuner.with_step_cost(last.step_cost, last.served)
+            base = tuner.config.latency if last.served is None else last.served.latencies(tuner.config.latency)
+            for solved, scaled, cost in zip(tuner.latency, base, last.step_cost):
+                assert solved(1) == pytest.approx(scaled(1) + cost(1)) and solved(1) > scaled(1)
             np.testing.assert_allclose(tuner.solved_P, policy.routing_template()[0])
             for m in r.metrics.models.values():  # every step timed: the loop's work and the hop, both > 0
                 loop, hop = m.mean_overhead

@@ -1,8 +1,9 @@
 """The tuner's lifecycle inside a running router: profile each model (its step latency, and how much
 the models slow each other when they share hardware), solve the schedule per concurrency in the
 background (the router serves with B = 1 meanwhile), feed it the routes actually taken, the
-runtime's own work around each step and the spans of the forwards it served, and re-solve off the
-event loop when any of them moves away from what the schedule was solved for.
+runtime's own work around each step and the spans of the forwards it served, and re-solve when
+any of them moves away from what the schedule was solved for: the table in a child process at
+the lowest CPU priority (background.py), so that the models keep their cores and the GIL.
 
 It sees models only through profiling callables and hands the schedule to a setter, so it stays
 free of torch and of the router's internals.
@@ -17,6 +18,7 @@ from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 
+from .background import BackgroundSolver
 from .contention import Contention
 from .latency import LatencyModel, fit_latency, fit_samples
 from .online import TuningCancelled
@@ -57,6 +59,8 @@ class TuningService:
         self._task: asyncio.Task | None = None
         self._resolving: asyncio.Task | None = None
         self._decisions = 0
+        # re-solves run in a child process at the lowest priority, not in this one (background.py)
+        self._background = BackgroundSolver()
         # per model: (batch size, seconds of the event loop's work around that step)
         self._steps: list[deque[tuple[int, float]]] = [deque(maxlen=STEP_SAMPLES) for _ in self.names]
         # per model: its recent forwards' spans (what they cost served, and overlapped with)
@@ -192,7 +196,7 @@ class TuningService:
         before = self.tuner.table
         served = (fit_served(spans, self.tuner.config.latency, fixed=hops, prior=self.contention)
                   if spans is not None else None)
-        changed = self.tuner.maybe_resolve(step_costs, served)
+        changed = self.tuner.maybe_resolve(step_costs, served, runner=self._background.run)
         return self.tuner.table is not before, changed
 
     async def _resolve(self) -> None:
@@ -228,6 +232,7 @@ class TuningService:
 
     async def close(self) -> None:
         self._closing = True
+        self._background.cancel()  # a re-solve's child ends now, not when its solve would
         for t in (self._task, self._resolving):
             if t is not None:
                 t.cancel()

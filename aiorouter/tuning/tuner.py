@@ -32,7 +32,7 @@ from .dtmc import DEFAULT_MAX_STATES
 from .latency import LatencyLike, LatencyModel
 from .online import RoutingEstimator, TuningCancelled
 from .quantum import choose_delta
-from .schedules import Schedule, choose_schedule, sync_throughput
+from .schedules import Schedule, SyncResult, choose_schedule, sync_throughput
 from .search import SearchResult, SolveCache, ThresholdTable, threshold_table
 from .served import ServedFit
 from .spec import DEFAULT_DELTA, ModelSpec, check_concurrency
@@ -102,6 +102,34 @@ class Proposal:
     solved: Solved
     gains: dict[int, float]  # per N: new choice over the current one, both under the new P, minus 1
     changed: tuple[int, ...]
+    # what it was solved with beyond the profile (the arguments of propose): the loop's work per
+    # step and the served refit; Solved.latency is with_step_cost(step_cost, served) when set
+    step_cost: tuple[LatencyModel, ...] | None = None
+    served: ServedFit | None = None
+
+
+Runner = Callable[..., list]  # runner(fn, *args) -> fn(*args), run wherever it runs
+
+
+def solve_rows(spec: ModelSpec, max_concurrency: int, max_states: int, workers: int,
+               cache: SolveCache | None = None, should_stop: Callable[[], bool] | None = None
+               ) -> list[tuple[SearchResult, SyncResult, str | None]]:
+    """Per N = 1..max_concurrency: (its threshold search, step-sync's throughput, why the search
+    failed or None). A module-level function of plain data, so that a child process can run it."""
+    out: list[tuple[SearchResult, SyncResult, str | None]] = []
+    for n in range(1, max_concurrency + 1):
+        if should_stop is not None and should_stop():
+            raise TuningCancelled(f"stopped before N = {n}")
+        failure = None
+        try:
+            row = threshold_table(spec, n, min_concurrency=n, max_states=max_states, cache=cache, workers=workers).rows[0]
+        except (StateLimitError, SolverError) as e:
+            # One N failing must not cost the others: keep N - 1's B* (feasible at N too), or all
+            # ones at N = 1.
+            prev = out[-1][0].best if out else (1,) * spec.M
+            row, failure = SearchResult(n, prev, float("nan"), (), 0.0), str(e)
+        out.append((row, sync_throughput(spec, n), failure))
+    return out
 
 
 @dataclass
@@ -163,31 +191,32 @@ class Tuner:
                                self.config.contention if contention is None else contention)
 
     def solve(self, P: np.ndarray, C: np.ndarray, delta: float, why: str,
-              latency: Sequence[LatencyModel] | None = None, contention: Contention | None = None) -> Solved:
+              latency: Sequence[LatencyModel] | None = None, contention: Contention | None = None,
+              runner: Runner | None = None) -> Solved:
         """Threshold table and schedules for N = 1..cap (blocking; seconds). `latency` and
-        `contention`: the step times and contention to solve with (default: the profiled ones)."""
+        `contention`: the step times and contention to solve with (default: the profiled ones).
+        `runner`: where the table is solved, as runner(solve_rows, *args) (a re-solve while
+        serving: `background.BackgroundSolver.run`, a child process); None: in this thread."""
         cfg = self.config
         spec = self.spec(P, C, delta, latency, contention)
-        t0, rows, schedules = time.perf_counter(), [], {}
-        for n in range(1, cfg.max_concurrency + 1):
-            if self.should_stop is not None and self.should_stop():
-                raise TuningCancelled(f"stopped before N = {n}")
-            try:
-                rows += threshold_table(spec, n, min_concurrency=n, max_states=cfg.max_states,
-                                        cache=self.cache, workers=cfg.workers).rows
-            except (StateLimitError, SolverError) as e:
-                # One N failing must not cost the others: keep N - 1's B*
-                # (feasible at N too), or all ones at N = 1.
-                prev = rows[-1].best if rows else (1,) * spec.M
-                log.warning("B* (%s) N=%d: solve failed (%s); using N=%d's B=%s", why, n, e, n - 1, prev)
-                rows.append(SearchResult(n, prev, float("nan"), (), 0.0))
-            schedules[n] = choose_schedule(rows[-1], sync_throughput(spec, n), cfg.sync_margin)
-        table = ThresholdTable(tuple(rows), time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        if runner is None:
+            rows = solve_rows(spec, cfg.max_concurrency, cfg.max_states, cfg.workers, self.cache, self.should_stop)
+        else:  # (the child has a cache of its own, is cancelled by ending it, not polled, and
+            # solves in one process: a daemon process may start no pool of its own)
+            rows = runner(solve_rows, spec, cfg.max_concurrency, cfg.max_states, 1)
+        schedules = {}
+        for row, sync, failure in rows:
+            if failure is not None:
+                log.warning("B* (%s) N=%d: solve failed (%s); using N=%d's B=%s", why, row.N, failure, row.N - 1, row.best)
+            schedules[row.N] = choose_schedule(row, sync, cfg.sync_margin)
+        table = ThresholdTable(tuple(r for r, _, _ in rows), time.perf_counter() - t0)
         for row in table.rows:
             s = schedules[row.N]
             log.info("B* (%s) N=%d: B=%s predicted %.1f tokens/s (eager %.1f, sync %.1f): run %s",
                      why, row.N, row.best, row.best_throughput, s.eager, s.sync, s.choice)
-        log.info("threshold table for N=1..%d solved in %.2fs", cfg.max_concurrency, table.seconds)
+        log.info("threshold table for N=1..%d solved in %.2fs%s", cfg.max_concurrency, table.seconds,
+                 "" if runner is None else " (in the background)")
         return Solved(np.array(P, dtype=float), np.array(C, dtype=float), float(delta), spec.latency, table, schedules,
                       cfg.contention if contention is None else contention)
 
@@ -216,7 +245,8 @@ class Tuner:
                    for new, old in zip(latency, self._solved.latency) for b in (1, cap))
 
     def propose(self, counts: np.ndarray | None = None, tokens: np.ndarray | None = None,
-                step_cost: Sequence[LatencyModel] | None = None, served: ServedFit | None = None) -> Proposal | None:
+                step_cost: Sequence[LatencyModel] | None = None, served: ServedFit | None = None,
+                runner: Runner | None = None) -> Proposal | None:
         """Re-solve if the routing drifted or the step times moved; None if neither did (or no quantum
         fits the budget).
 
@@ -224,7 +254,8 @@ class Tuner:
         estimator's decisions since the last solve.  `step_cost`: per model, the runtime's work
         around each step as measured while serving (None: keep the step times solved with).
         `served`: the profile's step costs scaled and kappa refitted on served forwards (None: keep
-        the step times and contention solved with). Blocking (a full solve, seconds)."""
+        the step times and contention solved with). `runner`: where the table is solved (`solve`).
+        Blocking (a full solve, seconds)."""
         cfg = self.config
         if counts is None:
             now = self.estimator.totals()
@@ -260,7 +291,7 @@ class Tuner:
             log.info("step times or contention moved while serving (L(1): %s ms%s); re-solving",
                      ", ".join(f"{o(1) * 1e3:.2f} -> {n(1) * 1e3:.2f}" for o, n in zip(cur.latency, latency)),
                      "" if served is None else f"; served kappa {[[round(k, 2) for k in r] for r in served.kappa]}")
-        new = self.solve(P, C, delta, "re-solve", latency, contention)
+        new = self.solve(P, C, delta, "re-solve", latency, contention, runner)
         schedules, gains, changed = {}, {}, []
         for N, ns in new.schedules.items():
             old = cur.schedules[N]
@@ -275,7 +306,8 @@ class Tuner:
                 changed.append(N)
             else:
                 schedules[N] = replace(ns, mode=old.mode, thresholds=old.thresholds, predicted=old_now)
-        return Proposal(drift, cost_moved, replace(new, schedules=schedules), gains, tuple(changed))
+        return Proposal(drift, cost_moved, replace(new, schedules=schedules), gains, tuple(changed),
+                        None if step_cost is None else tuple(step_cost), served)
 
     def adopt(self, proposal: Proposal) -> None:
         """Make a proposal current; later drift is measured from its P and from now on."""
@@ -284,14 +316,15 @@ class Tuner:
             self._mark = self.estimator.totals()
             self.last = proposal
 
-    def maybe_resolve(self, step_cost: Sequence[LatencyModel] | None = None, served: ServedFit | None = None) -> bool:
+    def maybe_resolve(self, step_cost: Sequence[LatencyModel] | None = None, served: ServedFit | None = None,
+                      runner: Runner | None = None) -> bool:
         """propose() on the decisions since the last solve (once there are enough), on the
         measured `step_cost` and on the `served` refit, and adopt it. True when some N's schedule changed."""
         with self._lock:
             now = self.estimator.totals()
             if now[0].sum() - self._mark[0].sum() < self.config.min_new_observations:
                 return False
-        p = self.propose(step_cost=step_cost, served=served)
+        p = self.propose(step_cost=step_cost, served=served, runner=runner)
         if p is None:
             return False
         self.adopt(p)
