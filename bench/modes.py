@@ -143,6 +143,15 @@ def summarise(n: int, results: dict, pred: dict, sweep: dict) -> dict:
 SWEEP_KEYS = ("tok_s", "steady_tok_s", "mean_in_flight", "mean_batch", "busy", "step_ms", "load_avg", "outside_load_cores")
 
 
+def rotated(items: list, k: int) -> list:
+    """items starting at index k % len(items), wrapping round: round k of a rotating order."""
+    return items[k % len(items):] + items[:k % len(items)]
+
+
+def median_run(runs: list[dict], key: str) -> dict:
+    return sorted(runs, key=lambda r: r[key])[len(runs) // 2]
+
+
 def run_sweep(run, n: int, b0: int, rounds: int) -> dict:
     """Delayed at every feasible large-model threshold with the small one at b0, each `rounds`
     times, the points in turn (round r starts r points later), so drift over the sweep hits every
@@ -152,11 +161,11 @@ def run_sweep(run, n: int, b0: int, rounds: int) -> dict:
     points = [(b0, b1) for b1 in range(1, n - b0 + 2)]  # feasible: (b0 - 1) + (b1 - 1) < n
     runs: dict[tuple[int, int], list[dict]] = {b: [] for b in points}
     for rnd in range(rounds):
-        for b in points[rnd % len(points):] + points[:rnd % len(points)]:
+        for b in rotated(points, rnd):
             runs[b].append(run({"small": b[0], "large": b[1]}))
     out = {}
     for b, rs in runs.items():
-        mid = sorted(rs, key=lambda r: r["steady_tok_s"])[len(rs) // 2]
+        mid = median_run(rs, "steady_tok_s")
         out[f"{b[0]},{b[1]}"] = {**{k: mid[k] for k in SWEEP_KEYS},
                                  "tok_s": float(np.median([r["tok_s"] for r in rs])),
                                  "steady_tok_s": float(np.median([r["steady_tok_s"] for r in rs])),
@@ -252,11 +261,11 @@ def main(argv=None) -> int:
             more = {m: [results[f"{m}@{n}"]] for m in ("sync", "eager", "delayed") if f"{m}@{n}" in results}
             order = list(more)
             for rnd in range(1, args.rounds):
-                for m in order[rnd % len(order):] + order[:rnd % len(order)]:
+                for m in rotated(order, rnd):
                     more[m].append(delayed() if m == "delayed" else run(m, n, total, ones))
             if args.rounds > 1:
                 for m, runs in more.items():
-                    mid = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
+                    mid = median_run(runs, "tok_s")
                     for r in runs:
                         r.pop("spans", None)
                     results[f"{m}@{n}"] = {**mid, "schedule": results[f"{m}@{n}"].get("schedule", m),

@@ -96,7 +96,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     request's own generator when it has a seed, so a seeded request samples the same
     tokens whatever batch it lands in. A row with NaN or inf draws a placeholder (`_finite`).
     `bad`: those rows (`nonfinite_host_rows`), where the caller has them (the runner reports them
-    too, and a step computed them twice: 2 of a cpu-tiny small step's 4 isfinite calls).
+    too: passed here, the step checks its logits once).
     """
     logits = _finite(logits, bad)
     out = torch.argmax(logits, dim=-1)
