@@ -43,8 +43,15 @@ class Router:
                  policy_args: dict[str, Any] | None = None, entry: str | None = None, device: str = "cpu",
                  mode: str = "delayed", thresholds: object = "auto", max_concurrency: int = 64,
                  max_wait_ms: float | None = None, kv_memory_gb: float = 2.0, tune_concurrency: int | None = None,
-                 threads: int | Mapping[str, int] | None = None, faults: FaultPlan | None = None):
-        """`faults`: test-only, requests that fail on purpose (aiorouter/faults.py); never in production."""
+                 threads: int | Mapping[str, int] | None = None, retune: bool = True,
+                 faults: FaultPlan | None = None):
+        """`retune`: with thresholds="auto", re-solve the schedule while serving when the routing or
+        the served step times drift from what it was solved for (in a child process at idle
+        priority; still ~10-15 % of throughput while it runs on a 2-core CPU host, docs/throughput-model.md).
+        False keeps the start-up schedule.
+        `faults`: test-only, requests that fail on purpose (aiorouter/faults.py); never in production."""
+        if not isinstance(retune, bool):
+            raise ValueError(f"retune must be True or False, got {retune!r}")
         if not models:
             raise ValueError("a router needs at least one model")
         self.names = list(models)
@@ -62,7 +69,7 @@ class Router:
         self.threads = threads
         self.policy = make_policy(policy, policy_args)
         self.policy.bind(self.names)
-        self.faults = faults
+        self.faults, self.retune = faults, retune
         self._fixed_thresholds = parse_thresholds(thresholds, self.names, max_concurrency)
         self.metrics = RouterMetrics(models={})
         self.subservers: list[Subserver] = []
@@ -153,9 +160,9 @@ class Router:
         template = self.policy.routing_template()
         if self._fixed_thresholds is not None or self.mode != "delayed" or template is None or len(self.names) == 1:
             return None
-        from aiorouter.tuning.service import TuningService
+        from aiorouter.tuning.service import RESOLVE_EVERY, TuningService
         return TuningService(self.names, template, self.max_concurrency, self.tune_concurrency,
-                             self._launch.set_schedule)
+                             self._launch.set_schedule, RESOLVE_EVERY if self.retune else None)
 
     async def _profile_contention(self, cap: int, threads: list[int]) -> list:
         """How much the models slow each other (engines.profile.profile_contention), measured in

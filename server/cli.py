@@ -113,6 +113,10 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", metavar="N|NAME=N,...",
                     help="CPU intra-op threads per model worker (default: the heaviest model gets every core, "
                          "the others share)")
+    ap.add_argument("--no-retune", dest="retune", action="store_false",
+                    help="keep the start-up delayed-batching schedule: no re-solve while serving when the routing "
+                         "or step times drift (a re-solve is seconds of idle-priority CPU, 10-15%% of a 2-core "
+                         "host's throughput while it runs) (default: re-solve on drift, as Router(retune=True))")
 
 
 def router_kwargs(args) -> dict[str, object]:
@@ -125,7 +129,7 @@ def router_kwargs(args) -> dict[str, object]:
         policy_args = dict(DEFAULT_POLICY_ARGS)  # what the default pair is tuned for
     return dict(models=models, policy=args.policy, policy_args=policy_args, entry=args.entry,
                 device=args.device, mode=args.mode, max_concurrency=args.max_concurrency,
-                kv_memory_gb=args.kv_memory_gb, threads=parse_threads(args.threads),
+                kv_memory_gb=args.kv_memory_gb, threads=parse_threads(args.threads), retune=args.retune,
                 faults=parse_faults(args.inject_faults))
 
 

@@ -108,3 +108,13 @@ def test_cpu_kernel_build_says_what_it_does_once(tmp_path):
     assert lines[0].startswith("aiorouter: compiling the CPU kernels") and str(tmp_path) in lines[0]
     assert re.fullmatch(r"aiorouter: CPU kernels compiled in [\d.]+ s", lines[1]), lines
     assert "compil" not in runs[1].stderr
+
+
+def test_no_retune_reaches_the_router():
+    import argparse
+    ap = argparse.ArgumentParser()
+    cli.add_router_args(ap)
+    sim = ["--model", "small=sim:1", "--model", "large=sim:6"]
+    assert cli.router_kwargs(ap.parse_args(sim))["retune"] is True
+    kwargs = cli.router_kwargs(ap.parse_args(sim + ["--no-retune"]))
+    assert kwargs["retune"] is False and Router(**kwargs).retune is False

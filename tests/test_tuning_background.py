@@ -17,6 +17,14 @@ def test_runs_in_a_child_process_at_the_lowest_priority():
     solver = BackgroundSolver()
     assert solver.run(os.getpid) != os.getpid()
     assert solver.run(os.nice, 0) == NICE  # os.nice(0) reads the child's niceness
+    if hasattr(os, "SCHED_IDLE"):  # Linux: below every normal thread, not just niced
+        assert solver.run(os.sched_getscheduler, 0) == os.SCHED_IDLE
+
+
+def test_the_child_imports_neither_torch_nor_the_router():
+    # a re-solve's child is seconds of CPU on the models' cores: it must not start by importing them
+    loaded = BackgroundSolver().run(eval, "sorted(__import__('sys').modules)")  # (evaluated in the child)
+    assert not [m for m in loaded if m == "torch" or m.startswith(("torch.", "aiorouter.router", "engines"))]
 
 
 def test_an_error_in_the_child_is_raised_in_the_caller():
@@ -40,7 +48,9 @@ def test_a_tuner_re_solved_in_the_child_equals_one_re_solved_in_this_process():
 
     from aiorouter.tuning import LatencyModel, Tuner, TunerConfig
     P, C = [[0.8, 0.2], [0.5, 0.5]], [[1.0, 1.0], [1.0, 1.0]]
-    cfg = TunerConfig.build(P, C, [LatencyModel(6e-3, 0.1e-3), LatencyModel(28e-3, 0.5e-3)], 4, delta=1e-3)
+    # with a state budget, a re-solve also re-chooses the quantum: the child does both
+    cfg = TunerConfig.build(P, C, [LatencyModel(6e-3, 0.1e-3), LatencyModel(28e-3, 0.5e-3)], 4, delta=1e-3,
+                            table_states=20_000)
     tuner = Tuner(cfg)
     cost = [LatencyModel(1e-3, 0.05e-3), LatencyModel(1e-3, 0.05e-3)]  # moves the step times: a re-solve
     here = tuner.propose(np.zeros((2, 2)), step_cost=cost)
@@ -49,3 +59,19 @@ def test_a_tuner_re_solved_in_the_child_equals_one_re_solved_in_this_process():
     assert [(r.N, r.best, r.best_throughput) for r in there.solved.table.rows] == \
         [(r.N, r.best, r.best_throughput) for r in here.solved.table.rows]
     assert there.solved.schedules == here.solved.schedules
+    assert there.solved.delta == here.solved.delta != cfg.delta
+
+
+def test_a_re_solve_whose_quantum_cannot_fit_keeps_the_schedule():
+    import numpy as np
+
+    from aiorouter.tuning import LatencyModel, Tuner, TunerConfig
+    P, C = [[0.5, 0.5], [0.5, 0.5]], [[1.0, 1.0], [1.0, 1.0]]
+    lat = [LatencyModel(1e-3, 1e-5), LatencyModel(20e-3, 1e-3)]
+    tuner = Tuner(TunerConfig.build(P, C, lat, 16, delta=20e-3, table_states=1000))
+    before = [tuner.schedule(N) for N in range(1, 17)]
+    # the large model's step grows to 0.5-1.3 s against the small one's 1 ms: no quantum keeps
+    # the N = 1..16 table within 1,000 states
+    slow = [LatencyModel(1e-6, 1e-7), LatencyModel(480e-3, 49e-3)]
+    assert tuner.propose(np.zeros((2, 2)), step_cost=slow, runner=BackgroundSolver().run) is None
+    assert [tuner.schedule(N) for N in range(1, 17)] == before

@@ -182,6 +182,28 @@ def test_drift_resolve_on_sim_engines(policy: RandomPolicy, drifts: bool) -> Non
     asyncio.run(main())
 
 
+def test_retune_off_keeps_the_start_up_schedule() -> None:
+    """retune=False: the same drift as above (the template says 5%, the policy hands over 50%)
+    re-solves nothing; the router serves the start-up schedule throughout."""
+    models = {"small": {"engine": "sim", "latency_ms": 1.0}, "large": {"engine": "sim", "latency_ms": 6.0}}
+
+    async def main():
+        async with Router(models, policy=Misinformed(p=0.5, seed=3), tune_concurrency=4, max_concurrency=4,
+                          retune=False) as r:
+            await r.wait_tuned()
+            assert r.tuning.resolve_every is None
+            before = [r.schedule(n) for n in range(1, 5)], [r.thresholds(n) for n in range(1, 5)]
+            await closed_loop(r, 4, 6, [100])
+            await r.tuning.wait_resolved()
+            assert r.tuning.tuner.estimator.observations > 1200  # (what made the test above re-solve)
+            assert r.tuning.resolves == 0
+            assert ([r.schedule(n) for n in range(1, 5)], [r.thresholds(n) for n in range(1, 5)]) == before
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="retune must be True or False"):
+        Router(models, retune="no")
+
+
 def test_router_learns_the_loop_work_per_step() -> None:
     """Around every step the event loop schedules, finishes, routes and commits: a cost per step
     that the start-up profile (the forward and the hop to the worker) does not see. The router

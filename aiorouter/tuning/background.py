@@ -4,36 +4,45 @@ Why: a re-solve of the threshold table is seconds of CPU (cpu-tiny, N = 1..16: ~
 thread of the serving process it took those seconds from the models on a CPU host, and held the
 GIL against the event loop and the models' workers on any host: the cpu-tiny pair at N = 16
 (delayed, thresholds "auto", 32 requests) served 158-171 tok/s with the re-solve running
-against 182-206 with the same thresholds fixed and none. In a child at nice 19 the solve takes
-only the cycles the models leave, and the serving process does not run it at all.
+against 182-206 with the same thresholds fixed and none.
 
-The child is spawned (not forked: the serving process has threads, whose locks a fork would
-copy held) for each re-solve, so one that is cancelled, or the router that closes, ends it at
-once (`cancel`) and nothing of it outlives the router.
+The child runs under SCHED_IDLE where Linux offers it (nice 19 elsewhere): a model's thread that
+wakes takes its core back at once, where at nice 19 the scheduler still gives the child a slice.
+The child is a fresh interpreter that imports only `aiorouter.tuning` (0.6 s), started with
+`python -m`: a multiprocessing "spawn" child also re-imports the parent's main script and, with
+it, torch and the router (2.5 s more of CPU, and the whole script for one without a main guard).
+A re-solve's request and answer are pickled through its stdin and stdout. One child per re-solve,
+so a cancelled one, or the router that closes, ends it at once (`cancel`) and nothing of it
+outlives the router.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
+import pickle
+import subprocess
+import sys
 import threading
 from typing import Any, Callable
 
 from .online import TuningCancelled
 
-NICE = 19  # the lowest priority: the models' threads always go first
+NICE = 19  # the lowest niceness, for platforms without SCHED_IDLE (and set under it too)
 
 
-def _child(conn, fn: Callable[..., Any], args: tuple) -> None:
+def lowest_priority() -> str:
+    """Put this process at the lowest CPU priority the platform offers -> which one it got."""
+    got = "normal"
     try:
         os.nice(NICE)
-    except OSError:  # (a platform without nice: the solve still runs, at normal priority)
+        got = "nice 19"
+    except (AttributeError, OSError):
         pass
     try:
-        conn.send((True, fn(*args)))
-    except BaseException as e:  # everything goes back to the parent, which raises it there
-        conn.send((False, e))
-    finally:
-        conn.close()
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        got = "SCHED_IDLE"
+    except (AttributeError, OSError):
+        pass
+    return got
 
 
 class BackgroundCancelled(TuningCancelled):
@@ -41,38 +50,34 @@ class BackgroundCancelled(TuningCancelled):
 
 
 class BackgroundSolver:
-    """`run(fn, *args)` in a fresh child process at nice 19, blocking the calling thread (not the
-    event loop: call it from a worker thread) until the child answers. `fn` and `args` must be
-    picklable (a module-level function and plain data); the child raises nothing into the
-    parent but what `fn` raised, re-raised here."""
+    """`run(fn, *args)` in a fresh child process at the lowest priority, blocking the calling thread
+    (not the event loop: call it from a worker thread) until the child answers. `fn` and `args` must
+    be picklable (a module-level function and plain data); the child raises nothing into the parent
+    but what `fn` raised, re-raised here."""
 
-    def __init__(self, start_method: str = "spawn"):
-        self._ctx = mp.get_context(start_method)
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._proc = None
+        self._proc: subprocess.Popen | None = None
         self._cancelled = False
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        recv, send = self._ctx.Pipe(duplex=False)
-        proc = self._ctx.Process(target=_child, args=(send, fn, args), daemon=True, name="aiorouter-resolve")
+        request = pickle.dumps((fn, args))
         with self._lock:
             if self._cancelled:
                 raise BackgroundCancelled("the background solver was cancelled")
-            proc.start()
-            self._proc = proc
-        send.close()  # the child holds the only writer: recv() sees EOF if it dies
+            proc = self._proc = subprocess.Popen([sys.executable, "-m", "aiorouter.tuning._child"],
+                                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         try:
-            ok, value = recv.recv()
-        except EOFError:
-            proc.join()
-            if self._cancelled:
-                raise BackgroundCancelled("the background solve was cancelled") from None
-            raise RuntimeError(f"the background solve's process died (exit code {proc.exitcode})") from None
+            answer, _ = proc.communicate(request)
         finally:
-            recv.close()
             with self._lock:
                 self._proc = None
-        proc.join()
+        if self._cancelled:
+            raise BackgroundCancelled("the background solve was cancelled")
+        try:
+            ok, value = pickle.loads(answer)
+        except Exception:
+            raise RuntimeError(f"the background solve's process died (exit code {proc.returncode})") from None
         if not ok:
             raise value
         return value
@@ -82,5 +87,5 @@ class BackgroundSolver:
         with self._lock:
             self._cancelled = True
             proc = self._proc
-        if proc is not None and proc.is_alive():
-            proc.terminate()
+        if proc is not None and proc.poll() is None:
+            proc.kill()

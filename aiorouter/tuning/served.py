@@ -48,6 +48,9 @@ from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import numpy as np
+# (at import, not in the fit: the fit runs while serving, and scipy.optimize's first import is
+# 0.27 s of the serving process's GIL)
+from scipy.optimize import nnls
 
 from .contention import MAX_KAPPA, Contention
 from .latency import LatencyModel, StepCost
@@ -178,8 +181,6 @@ def _shape(work: np.ndarray, base: np.ndarray, a: float) -> tuple[float, float] 
     """work ~ s_a a + s_v (base - a), then both scaled so the totals agree -> (s_a, s_v); None
     where the batch part does not vary enough to tell them apart (MIN_SHAPE_SPREAD) or the fit
     leaves either at zero."""
-    from scipy.optimize import nnls
-
     var = np.maximum(base - a, 0.0)
     if a <= 0 or np.percentile(var, 90) - np.percentile(var, 10) < MIN_SHAPE_SPREAD * base.mean():
         return None
@@ -198,8 +199,6 @@ def _mean_kappa(prior: Contention | None, i: int, j: int) -> float:
 def _kappa_from_speed(y: np.ndarray, o: np.ndarray) -> np.ndarray | None:
     """y = alpha - sum_j gamma_j o_j, alpha, gamma >= 0 -> kappa_j = gamma_j / alpha; None where
     the overlaps do not identify it (MAX_KAPPA_SE, MIN_OVERLAP_SPREAD)."""
-    from scipy.optimize import nnls
-
     X = np.column_stack([np.ones(len(y)), -o])  # (n, 1 + others)
     coef, _ = nnls(X, y)
     alpha = coef[0]

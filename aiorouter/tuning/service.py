@@ -42,9 +42,12 @@ MIN_STEP_SAMPLES = 100  # ... of which a step cost needs this many
 class TuningService:
     def __init__(self, names: Sequence[str], template: tuple[np.ndarray, np.ndarray], max_concurrency: int,
                  tune_concurrency: int | None, apply: Callable[[Table, Modes], None],
-                 resolve_every: int = RESOLVE_EVERY):
-        if resolve_every < 1:
-            raise ValueError(f"resolve_every must be >= 1 routing decisions, got {resolve_every!r}")
+                 resolve_every: int | None = RESOLVE_EVERY):
+        """`resolve_every`: routing decisions between drift checks; None: never re-solve (the start-up
+        schedule stays)."""
+        if resolve_every is not None and (isinstance(resolve_every, bool) or not isinstance(resolve_every, int)
+                                          or resolve_every < 1):
+            raise ValueError(f"resolve_every must be None or >= 1 routing decisions, got {resolve_every!r}")
         self.names, self.template, self.max_concurrency, self.apply = list(names), template, max_concurrency, apply
         self.cap = min(tune_concurrency or (16 if len(self.names) == 2 else 8), max_concurrency)
         self.resolve_every = resolve_every
@@ -157,7 +160,8 @@ class TuningService:
             return
         self.tuner.observe(src, dst, tokens)
         self._decisions += 1
-        if self._decisions % self.resolve_every == 0 and self._resolving is None and not self._closing:
+        if self.resolve_every is not None and self._decisions % self.resolve_every == 0 \
+                and self._resolving is None and not self._closing:
             self._resolving = asyncio.get_running_loop().create_task(self._resolve())
 
     def observe_step(self, model: int, span: StepSpan, seconds: float, hop: float = 0.0) -> None:

@@ -132,6 +132,26 @@ def solve_rows(spec: ModelSpec, max_concurrency: int, max_states: int, workers: 
     return out
 
 
+class NoQuantumFits(ValueError):
+    """No time quantum keeps the threshold table within its state budget."""
+
+
+def requantized_rows(P: np.ndarray, C: np.ndarray, latency: Sequence[LatencyModel], contention: Contention | None,
+                     table_states: int, max_concurrency: int, max_states: int, workers: int
+                     ) -> tuple[float, list[tuple[SearchResult, SyncResult, str | None]]]:
+    """The quantum whose table fits `table_states` (`choose_delta`), then `solve_rows` at it ->
+    (delta, rows). One job, so that a re-solve's child does both: choosing the quantum counts the
+    chains' states in Python, 0.6 s of the serving process's GIL at N = 16 (cpu-tiny) when it ran
+    there, in a 12 s benchmark run."""
+    try:
+        delta = choose_delta(P, list(latency), max_concurrency, table_states=table_states, max_states=max_states,
+                             contention=contention).delta
+    except ValueError as e:
+        raise NoQuantumFits(str(e)) from e
+    spec = ModelSpec.build(P, C, list(latency), delta, contention)
+    return delta, solve_rows(spec, max_concurrency, max_states, workers)
+
+
 @dataclass
 class Tuner:
     """Holds the per-N schedules; re-solves them when the routing drifts."""
@@ -190,21 +210,29 @@ class Tuner:
         return ModelSpec.build(P, C, list(latency or self.config.latency), delta,
                                self.config.contention if contention is None else contention)
 
-    def solve(self, P: np.ndarray, C: np.ndarray, delta: float, why: str,
+    def solve(self, P: np.ndarray, C: np.ndarray, delta: float | None, why: str,
               latency: Sequence[LatencyModel] | None = None, contention: Contention | None = None,
               runner: Runner | None = None) -> Solved:
-        """Threshold table and schedules for N = 1..cap (blocking; seconds). `latency` and
-        `contention`: the step times and contention to solve with (default: the profiled ones).
-        `runner`: where the table is solved, as runner(solve_rows, *args) (a re-solve while
-        serving: `background.BackgroundSolver.run`, a child process); None: in this thread."""
+        """Threshold table and schedules for N = 1..cap (blocking; seconds). `delta`: the quantum,
+        or None to choose the one that fits the table's state budget (`requantized_rows`; raises
+        NoQuantumFits). `latency` and `contention`: the step times and contention to solve with
+        (default: the profiled ones). `runner`: where the work is done, as runner(fn, *args) (a
+        re-solve while serving: `background.BackgroundSolver.run`, a child process); None: here."""
         cfg = self.config
-        spec = self.spec(P, C, delta, latency, contention)
+        latency = list(latency or cfg.latency)
+        contention = cfg.contention if contention is None else contention
         t0 = time.perf_counter()
-        if runner is None:
-            rows = solve_rows(spec, cfg.max_concurrency, cfg.max_states, cfg.workers, self.cache, self.should_stop)
-        else:  # (the child has a cache of its own, is cancelled by ending it, not polled, and
-            # solves in one process: a daemon process may start no pool of its own)
-            rows = runner(solve_rows, spec, cfg.max_concurrency, cfg.max_states, 1)
+        # (a child has a cache of its own, is cancelled by ending it, not polled, and solves in
+        # one process)
+        if delta is None:
+            args = (np.asarray(P, dtype=float), np.asarray(C, dtype=float), latency, contention,
+                    cfg.table_states, cfg.max_concurrency, cfg.max_states)
+            delta, rows = requantized_rows(*args, cfg.workers) if runner is None else runner(requantized_rows, *args, 1)
+            spec = self.spec(P, C, delta, latency, contention)
+        else:
+            spec = self.spec(P, C, delta, latency, contention)
+            rows = (solve_rows(spec, cfg.max_concurrency, cfg.max_states, cfg.workers, self.cache, self.should_stop)
+                    if runner is None else runner(solve_rows, spec, cfg.max_concurrency, cfg.max_states, 1))
         schedules = {}
         for row, sync, failure in rows:
             if failure is not None:
@@ -276,14 +304,6 @@ class Tuner:
         if drift.drifted and tokens is not None:
             ok = counts >= cfg.drift_min_row
             C[ok] = np.asarray(tokens, dtype=float)[ok] / counts[ok]
-        delta = cur.delta
-        if cfg.table_states is not None:
-            try:
-                delta = choose_delta(P, list(latency), cfg.max_concurrency, table_states=cfg.table_states,
-                                     max_states=cfg.max_states, contention=contention).delta
-            except ValueError as e:
-                log.warning("routing or step times moved but no quantum fits the state budget (%s); keeping B", e)
-                return None
         if drift.drifted:
             log.info("routing drifted (P[%d][%d] moved %.3f, %.1f standard errors, %d decisions); re-solving",
                      *(drift.entry or (0, 0)), drift.moved, drift.z_score, drift.decisions)
@@ -291,7 +311,12 @@ class Tuner:
             log.info("step times or contention moved while serving (L(1): %s ms%s); re-solving",
                      ", ".join(f"{o(1) * 1e3:.2f} -> {n(1) * 1e3:.2f}" for o, n in zip(cur.latency, latency)),
                      "" if served is None else f"; served kappa {[[round(k, 2) for k in r] for r in served.kappa]}")
-        new = self.solve(P, C, delta, "re-solve", latency, contention, runner)
+        try:  # (the quantum is chosen anew for the new step times, with the table: `requantized_rows`)
+            new = self.solve(P, C, None if cfg.table_states is not None else cur.delta, "re-solve", latency,
+                             contention, runner)
+        except NoQuantumFits as e:
+            log.warning("routing or step times moved but no quantum fits the state budget (%s); keeping B", e)
+            return None
         schedules, gains, changed = {}, {}, []
         for N, ns in new.schedules.items():
             old = cur.schedules[N]
