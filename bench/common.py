@@ -93,14 +93,27 @@ class LoopResult:
     steady_tokens: int = 0  # ... when the drain began
     steady_seconds: float = 0.0  # from the start to the drain
     in_flight_seconds: float = 0.0  # request-seconds in flight over the whole run
+    # With a staggered start (closed_loop's `first`), the window also begins late: once every
+    # client has finished its first, shortened request, so the clients' requests are at spread
+    # phases, as in the stationary closed loop the throughput model describes.
+    started: float = 0.0  # perf_counter at the start, to place the models' step spans in the window
+    ramp_tokens: int = 0  # tokens streamed when the last client finished its first request
+    ramp_seconds: float = 0.0  # ... and when (0: no staggered start)
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
     @property
+    def window(self) -> tuple[float, float]:
+        """(start, end) of the steady window, perf_counter seconds."""
+        return self.started + self.ramp_seconds, self.started + (self.steady_seconds or self.seconds)
+
+    @property
     def steady_tok_s(self) -> float:
-        return self.steady_tokens / self.steady_seconds if self.steady_seconds else self.tok_s
+        seconds = (self.steady_seconds or self.seconds) - self.ramp_seconds
+        tokens = (self.steady_tokens if self.steady_seconds else self.tokens) - self.ramp_tokens
+        return tokens / seconds if seconds > 0 else self.tok_s
 
     def summary(self) -> dict:
         q = lambda xs, p: sorted(xs)[min(len(xs) - 1, int(p * len(xs)))] if xs else None
@@ -111,37 +124,54 @@ class LoopResult:
                 "per_user_tok_s": statistics.median(per_user) if per_user else None,
                 "model_fraction": {k: v / max(1, self.tokens) for k, v in self.per_model.items()},
                 "steady_tok_s": self.steady_tok_s, "steady_seconds": self.steady_seconds,
+                "ramp_seconds": self.ramp_seconds, "window": self.window,
                 "mean_in_flight": self.in_flight_seconds / self.seconds if self.seconds else 0.0}
 
 
-async def closed_loop(send, n: int, prompts: list, total: int) -> LoopResult:
+async def closed_loop(send, n: int, prompts: list, total: int, first=None) -> LoopResult:
     """`n` workers; each sends its next prompt as soon as the last answer ends. `send(prompt)`
-    is an async iterator of (token_count_increment, model_name) per streamed token."""
+    is an async iterator of (token_count_increment, model_name) per streamed token.
+
+    `first(k, prompt)`, when given, sends worker k's first request instead (a staggered start: a
+    shorter first request for lower k spreads the clients' phases). Started together with equal
+    lengths, the clients stay in step: every prompt of a cohort is prefilled at once, and a model
+    waits on the other's burst (smollm2, N = 16, 96-token prompts: the large model idled the first
+    1.7 s of a 27 s window while the small one prefilled all 16). The steady window then starts
+    when every client has finished its first request (`LoopResult.window`)."""
     res, it = LoopResult(), iter(range(total))
     res._per_request = []
+    firsts_left = n if first is not None else 0
 
-    async def worker():
-        for i in it:
+    async def worker(k: int):
+        nonlocal firsts_left
+        for j, i in enumerate(it):
             t0 = time.perf_counter()
-            first, n_tok = None, 0
-            async for model in send(prompts[i % len(prompts)]):
-                if first is None:
-                    first = time.perf_counter() - t0
+            first_tok, n_tok = None, 0
+            stream = first(k, prompts[i % len(prompts)]) if first is not None and j == 0 else send(prompts[i % len(prompts)])
+            async for model in stream:
+                if first_tok is None:
+                    first_tok = time.perf_counter() - t0
                 n_tok += 1
                 res.streamed += 1
                 res.per_model[model] = res.per_model.get(model, 0) + 1
             dt = time.perf_counter() - t0
             res.tokens += n_tok
             res.in_flight_seconds += dt
-            res.ttft.append(first or dt)
+            res.ttft.append(first_tok or dt)
             res.e2e.append(dt)
             res._per_request.append((n_tok, dt))
+            if first is not None and j == 0:
+                firsts_left -= 1
+                if firsts_left == 0:  # every client is past its staggered first request
+                    res.ramp_seconds, res.ramp_tokens = time.perf_counter() - start, res.streamed
         if not res.steady_seconds:  # the first worker out of prompts: the drain begins
             res.steady_seconds, res.steady_tokens = time.perf_counter() - start, res.streamed
 
-    start = t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(n)))
-    res.seconds = time.perf_counter() - t0
+    start = res.started = time.perf_counter()
+    await asyncio.gather(*(worker(k) for k in range(n)))
+    res.seconds = time.perf_counter() - start
+    if res.ramp_seconds >= res.steady_seconds:  # the drain began before the ramp ended: no window
+        res.ramp_seconds, res.ramp_tokens = 0.0, 0
     return res
 
 

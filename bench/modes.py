@@ -2,8 +2,8 @@
 what the throughput model predicts for it (bench/modes_model.py says from what).
 
     python -m bench.modes --pair cpu-tiny|smollm2 [--concurrency 1,4,8,16] [--tokens 64]
-                          [--requests-per-client 2] [--min-requests 8] [--rounds 1] [--sweep]
-                          [--delayed-thresholds model|auto]
+                          [--requests-per-client 2] [--min-requests 8] [--rounds 1] [--sweep [--sweep-at 4,8]]
+                          [--delayed-thresholds model|auto] [--no-stagger]
                           [--quiet-gate CORES] [--out DIR]
 
 Per N, in one invocation: sync and eager run first (thresholds 1); the model then solves for the
@@ -12,7 +12,14 @@ via Router(thresholds=...), or eager, or sync, whichever it predicts best; recor
 or the router's own start-up tuner's schedule at N (`auto`). `--sweep` also runs
 delayed at every large-model threshold 1..N (small-model threshold as predicted; each point
 `--rounds` times, its median kept), so the measured best threshold can be read against the
-predicted one. Writes DIR/modes.json:
+predicted one.
+
+The chain describes a stationary closed loop: N requests in flight at spread phases. Clients that
+start together with equal lengths stay in step instead (every prompt of a cohort prefilled at
+once), so by default client k's first request has (k + 1) / N of the tokens, runs are that many
+requests longer, and the chain is held to the window from the end of the last first request to
+the drain (`closed_loop(first=...)`, `LoopResult.window`); the tokens each model computes per
+request-step (tau) are counted in that window. Writes DIR/modes.json:
 {"results": {"<mode>@<N>": {"tok_s", "predicted_tok_s", ...}}, "predictions": {N: ...},
 "sweep": {N: {"<B>": {...}}}, "summary": {N: ...}}.
 
@@ -40,6 +47,7 @@ import numpy as np
 from tqdm import tqdm
 
 from aiorouter import Router
+from aiorouter.metrics import SPANS_KEPT
 from bench import workloads as W
 from bench.common import RESULTS, OutsideLoad, cache_dir, closed_loop, machine
 from bench.modes_model import (observed_overhead, observed_routing, predict, predicted_for, profile_pair,
@@ -76,8 +84,23 @@ def gated(cores: float | None, run, patience: float, tries: int = 2) -> dict:
     return best
 
 
+def stagger(tokens: int, n: int, k: int) -> int:
+    """Output tokens of client k's first request in a staggered start: (k + 1) / n of the full
+    length, so the clients' requests end at phases spread over one request's life."""
+    return max(1, round(tokens * (k + 1) / n))
+
+
+def window_steps(spans: list, window: tuple[float, float]) -> tuple[int, int] | None:
+    """(request-steps, tokens computed) of the steps that started inside the window; None when
+    the spans kept (the last SPANS_KEPT a model) no longer reach back to its start."""
+    if len(spans) >= SPANS_KEPT and spans[0][0] > window[0]:
+        return None
+    inside = [x for x in spans if window[0] <= x[0] < window[1]]
+    return sum(x[2] for x in inside), sum(x[3] for x in inside)
+
+
 async def run_once(pair, mode: str, n: int, prompts: list, tokens: int, total: int,
-                   thresholds: dict | str) -> dict:
+                   thresholds: dict | str, staggered: bool = True) -> dict:
     models = {"small": str(pair.small), "large": str(pair.large)}
     async with Router(models, policy=pair.policy, policy_args=pair.policy_args, entry="small", mode=mode,
                       thresholds=thresholds, kv_memory_gb=1.0, max_concurrency=max(16, n)) as r:
@@ -94,8 +117,9 @@ async def run_once(pair, mode: str, n: int, prompts: list, tokens: int, total: i
             m.spans.clear()
         r.metrics.handoffs.clear()
         computed = _computed(r)
+        first = (lambda k, p: send(p, stagger(tokens, n, k))) if staggered and n > 1 else None
         with OutsideLoad() as outside:
-            res = await closed_loop(send, n, prompts, total)
+            res = await closed_loop(send, n, prompts, total + (n if first else 0), first)
         out = res.summary()
         out["outside_load_cores"] = outside.cores  # other processes' CPU use during the run
         out["tokens_computed"] = {k: v - computed[k] for k, v in _computed(r).items()}
@@ -108,12 +132,31 @@ async def run_once(pair, mode: str, n: int, prompts: list, tokens: int, total: i
         out["overhead_ms"] = {k: {"loop": 1e3 * m.mean_overhead[0], "hop": 1e3 * m.mean_overhead[1],
                                   "steps": m.timed_steps} for k, m in r.metrics.models.items()}
         out["spans"] = {k: [tuple(x) for x in m.spans] for k, m in r.metrics.models.items()}
+        # what the steady window computed, per model: the chain is compared with that window, so
+        # its tokens per request-step come from it too (a window's share of prompt prefills is
+        # not the whole run's: a run of 2 requests a client prefilled every prompt inside it)
+        out["window_steps"] = {k: window_steps(v, res.window) for k, v in out["spans"].items()}
         if mode == "delayed":
             out["thresholds"] = r.thresholds(n)
             out["schedule"] = r.schedule(n)  # with thresholds="auto": the tuner's choice at N
         out["load_avg"] = os.getloadavg()
     gc.collect()
     return out
+
+
+def model_at(prof, seen: list[dict], tpl_P: np.ndarray, tpl_C: np.ndarray, n: int) -> dict:
+    """The chain's prediction at N from the sync and eager runs `seen`: routing, tokens per
+    request-step and the loop's cost per step as they observed them, on the profile refitted to
+    their forwards (as a runtime re-solve would), with the start-up profile's prediction beside it."""
+    P, tau = observed_routing(seen, prof.names) if seen else (tpl_P, np.ones(2))
+    overhead = observed_overhead(seen, prof.names) if seen else np.zeros(2)
+    startup = predict(prof, P, tpl_C, tau, n, overhead)
+    served, fit = served_profile(prof, seen) if seen else (prof, None)
+    pred = predict(served, P, tpl_C, tau, n, overhead)
+    pred["startup"] = startup
+    pred["served_fit"] = None if fit is None else {"scales": fit.scales, "slopes": fit.slopes, "kappa": fit.kappa,
+                                                  "steps": fit.steps, "runs": len(seen)}
+    return pred
 
 
 def summarise(n: int, results: dict, pred: dict, sweep: dict) -> dict:
@@ -129,7 +172,8 @@ def summarise(n: int, results: dict, pred: dict, sweep: dict) -> dict:
         out["delayed_over_best_of_sync_eager"] = t["delayed"] / max(t.get("sync", 0), t.get("eager", 0))
         out["steady_delayed_over_best"] = steady["delayed"] / max(steady.get("sync", 0), steady.get("eager", 0))
     if sweep:
-        b_pred = ",".join(map(str, pred["best_thresholds"]))
+        # the chain's best among the thresholds swept (the small model's is the one delayed ran)
+        b_pred = max(sweep, key=lambda b: pred["by_thresholds"][b])
         for key, tag in (("steady_tok_s", ""), ("tok_s", "whole_run_")):
             best_meas = max(sweep, key=lambda b: sweep[b][key])
             out.update({f"{tag}best_B_measured": best_meas,
@@ -202,6 +246,11 @@ def main(argv=None) -> int:
                          "and report each one's median run (at N = 1 the three are one schedule, and runs of it "
                          "differ by 5-8 %%)")
     ap.add_argument("--sweep", action="store_true", help="also run delayed at every large threshold 1..N")
+    ap.add_argument("--sweep-at", default=None, metavar="N,...",
+                    help="with --sweep: only at these N (default: every N > 1); a sweep at N is N points x --rounds runs")
+    ap.add_argument("--no-stagger", dest="stagger", action="store_false",
+                    help="start every client with a full-length request (default: client k's first request has "
+                         "(k + 1) / N of the tokens, and the steady window starts once all first requests ended)")
     ap.add_argument("--quiet-gate", type=float, default=None, metavar="CORES",
                     help="measure only while other processes use fewer cores than this")
     ap.add_argument("--quiet-patience", type=float, default=300.0, metavar="SECONDS",
@@ -209,6 +258,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     ns = [int(x) for x in args.concurrency.split(",")]
+    sweep_at = None if args.sweep_at is None else {int(x) for x in args.sweep_at.split(",")}
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in ("sync", "eager", "delayed")]
     if unknown or not ns or min(ns) < 1:
@@ -221,7 +271,7 @@ def main(argv=None) -> int:
     prof, prof_load = gated_profile(pair, max(ns), gate, args.quiet_patience)
 
     def run(mode, n, total, th):
-        return gated(gate, lambda: asyncio.run(run_once(pair, mode, n, prompts, args.tokens, total, th)),
+        return gated(gate, lambda: asyncio.run(run_once(pair, mode, n, prompts, args.tokens, total, th, args.stagger)),
                      args.quiet_patience)
 
     tpl_P, tpl_C = _template(pair)
@@ -232,16 +282,7 @@ def main(argv=None) -> int:
         for mode in [m for m in ("sync", "eager") if m in modes]:
             results[f"{mode}@{n}"] = run(mode, n, total, ones)
         seen = [results[f"{m}@{n}"] for m in ("sync", "eager") if f"{m}@{n}" in results]
-        P, tau = observed_routing(seen, prof.names) if seen else (tpl_P, np.ones(2))
-        overhead = observed_overhead(seen, prof.names) if seen else np.zeros(2)
-        # the schedule is picked on the profile refitted to the eager and sync runs' forwards (as
-        # a runtime re-solve would); the start-up profile's prediction is kept beside it
-        startup = predict(prof, P, tpl_C, tau, n, overhead)
-        served, fit = served_profile(prof, seen) if seen else (prof, None)
-        pred = predictions[n] = predict(served, P, tpl_C, tau, n, overhead)
-        pred["startup"] = startup
-        pred["served_fit"] = None if fit is None else {"scales": fit.scales, "slopes": fit.slopes, "kappa": fit.kappa,
-                                                      "steps": fit.steps}
+        pred = predictions[n] = model_at(prof, seen, tpl_P, tpl_C, n)
         if "delayed" in modes:
             if args.delayed_thresholds == "model":
                 # delayed batching is the best schedule the model finds: delayed(B*), eager or sync
@@ -263,20 +304,32 @@ def main(argv=None) -> int:
             for rnd in range(1, args.rounds):
                 for m in rotated(order, rnd):
                     more[m].append(delayed() if m == "delayed" else run(m, n, total, ones))
+            if args.rounds > 1 and seen:
+                # The figures are predicted again from every round's sync and eager runs (never a
+                # delayed run): this machine's speed moves by ~7 % over seconds (a 2-core matmul's
+                # medians 1.34-1.54 s in eight 5 s windows), and a fit on one round's runs carries
+                # that round's speed into every prediction at N. Delayed ran the first fit's choice.
+                first = pred
+                pred = predictions[n] = model_at(prof, [r for m in ("sync", "eager") if m in more for r in more[m]],
+                                                 tpl_P, tpl_C, n)
+                pred["first_round"] = {k: first[k] for k in ("schedule", "best_thresholds", "best_tok_s",
+                                                             "eager_tok_s", "sync_tok_s", "by_thresholds")}
             if args.rounds > 1:
                 for m, runs in more.items():
                     mid = median_run(runs, "tok_s")
                     for r in runs:
                         r.pop("spans", None)
+                    # (the chain is held to the median window, as each sweep point's is)
                     results[f"{m}@{n}"] = {**mid, "schedule": results[f"{m}@{n}"].get("schedule", m),
+                                           "steady_tok_s": float(np.median([r["steady_tok_s"] for r in runs])),
                                            "rounds_tok_s": [r["tok_s"] for r in runs],
                                            "rounds_steady_tok_s": [r["steady_tok_s"] for r in runs]}
                     if m != "delayed":
                         results[f"{m}@{n}"].pop("schedule")
         sweep = {}
-        if args.sweep and n > 1:
-            sweep = sweeps[n] = run_sweep(lambda th: run("delayed", n, total, th), n, pred["best_thresholds"][0],
-                                          args.rounds)
+        if args.sweep and n > 1 and (sweep_at is None or n in sweep_at):
+            b0 = pred.get("first_round", pred)["best_thresholds"][0]  # the small threshold delayed ran with
+            sweep = sweeps[n] = run_sweep(lambda th: run("delayed", n, total, th), n, b0, args.rounds)
         for key in [k for k in results if k.endswith(f"@{n}")]:
             mode = results[key].get("schedule", key.split("@")[0])  # delayed@N may have run eager or sync
             th = results[key].get("thresholds")
@@ -288,7 +341,8 @@ def main(argv=None) -> int:
         for key in [k for k in results if k.endswith(f"@{n}")]:
             results[key].pop("spans", None)  # (thousands of spans a run: used above, not kept)
     data = {"machine": machine(), "pair": args.pair, "policy": pair.policy, "policy_args": pair.policy_args,
-            "tokens": args.tokens, "requests_per_client": args.requests_per_client, "min_requests": args.min_requests,
+            "tokens": args.tokens, "requests_per_client": args.requests_per_client, "staggered": args.stagger,
+            "min_requests": args.min_requests, "sweep_at": sorted(sweep_at) if sweep_at else None,
             "delayed_thresholds": args.delayed_thresholds, "quiet_gate_cores": gate,
             "profile": {**prof.describe(), "outside_load_cores": prof_load},
             "template_P": tpl_P.tolist(), "results": results, "predictions": predictions, "sweep": sweeps,

@@ -17,7 +17,9 @@ def markdown(data: dict) -> str:
     res, pred, summ, sweep = data["results"], data["predictions"], data["summary"], data.get("sweep", {})
     prof = data["profile"]
     out = [f"**{data['pair']}** ({data['policy']} {data['policy_args']}), {data['tokens']} output tokens, "
-           f"{data['requests_per_client']} requests per client (at least {data.get('min_requests', 0)} a run); "
+           f"{data['requests_per_client']} requests per client (at least {data.get('min_requests', 0)} a run"
+           + ("; staggered start: N more requests, client k's first with (k + 1) / N of the tokens" if data.get("staggered")
+              else "") + "); "
            f"profile: step cost {prof['profile_s']['step_cost']:.1f} s, contention "
            f"{prof['profile_s']['contention']:.1f} s (other processes {prof.get('outside_load_cores') or 0:.2f} cores).",
            "", "Whole run, tok/s (what a client gets):", "",
@@ -36,8 +38,9 @@ def markdown(data: dict) -> str:
             for m, x in r.items()}
         out.append(f"| {n} | {cell['sync']} | {cell['eager']} | {ran} | {cell['delayed']} | "
                    f"{'-' if ratio is None else f'**{ratio:.3f}**'} | {loads} |")
-    out += ["", "Steady window (N in flight), tok/s, and the chain's prediction: served (profile refitted on "
-            "the sync and eager runs' forwards) / start-up profile only:", "",
+    out += ["", "Steady window (N in flight" + (", from the end of the last first request" if data.get("staggered") else "")
+            + "), tok/s (median of rounds), and the chain's prediction: served (profile refitted on "
+            "the sync and eager runs' forwards, every round's) / start-up profile only:", "",
             "| N | sync | eager | delayed | mean in flight (whole run) | served fit: scale/slope scale, kappa (small; large) |",
             "|---|---|---|---|---|---|"]
     for n in sorted(pred, key=int):

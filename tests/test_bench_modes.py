@@ -22,6 +22,62 @@ def test_observed_routing_pools_runs():
     assert P[1] == pytest.approx([0.0, 1.0]) and tau[1] == 1.0
 
 
+def test_observed_routing_counts_tau_in_the_steady_window_where_every_run_has_one():
+    runs = [{**_run({"small": 300, "large": 100}, {"small": 600, "large": 500}, {"small->large": 90}),
+             "window_steps": {"small": (100, 400), "large": (40, 240)}},
+            {**_run({"small": 100, "large": 50}, {"small": 200, "large": 250}, {"small->large": 30}),
+             "window_steps": {"small": (50, 50), "large": (10, 60)}}]
+    P, tau = observed_routing(runs, ["small", "large"])
+    assert tau == pytest.approx([450 / 150, 300 / 50])
+    assert P[0, 1] == pytest.approx(120 / 400)  # routing: whole runs
+    # one run without a window (its spans did not reach back): whole runs for tau too
+    runs[1]["window_steps"] = {"small": None, "large": (10, 60)}
+    assert observed_routing(runs, ["small", "large"])[1] == pytest.approx([800 / 400, 750 / 150])
+
+
+def test_window_steps_counts_steps_that_start_inside_and_knows_when_spans_were_dropped():
+    from aiorouter.metrics import SPANS_KEPT
+    from bench.modes import window_steps
+    spans = [(0.0, 0.5, 2, 10), (0.5, 1.0, 3, 3), (1.0, 1.5, 1, 96), (2.0, 2.5, 4, 4)]
+    assert window_steps(spans, (0.5, 2.0)) == (4, 99)
+    assert window_steps([], (0.0, 1.0)) == (0, 0)
+    full = [(1.0 + k, 1.5 + k, 1, 1) for k in range(SPANS_KEPT)]  # the oldest kept starts after the window
+    assert window_steps(full, (0.5, 3.0)) is None
+    assert window_steps(full, (1.0, 3.0)) == (2, 2)
+
+
+def test_stagger_spreads_first_requests_over_one_request():
+    from bench.modes import stagger
+    assert [stagger(64, 4, k) for k in range(4)] == [16, 32, 48, 64]
+    assert stagger(64, 1, 0) == 64 and stagger(3, 16, 0) == 1
+
+
+def test_closed_loop_with_a_staggered_start_opens_the_window_when_every_first_request_ended():
+    """2 clients, requests of 10 ticks; client 0's first is 2 ticks and client 1's 6: the window
+    runs from the end of the last first request (~0.06 s) to the first client out of prompts."""
+    import asyncio
+
+    from bench.common import closed_loop
+
+    async def send(p):
+        for _ in range(p):
+            await asyncio.sleep(0.01)
+            yield "m"
+
+    def first(k, p):
+        return send([2, 6][k])
+
+    res = asyncio.run(closed_loop(send, 2, [10] * 5, 5, first))
+    assert res.tokens == 2 + 6 + 3 * 10
+    # by then client 1 streamed 6 and client 0 its 2 and ~4 of its second: ~12, give or take a tick
+    assert 0.055 <= res.ramp_seconds < 0.09 and 10 <= res.ramp_tokens <= 14
+    assert res.window == pytest.approx((res.started + res.ramp_seconds, res.started + res.steady_seconds))
+    assert res.steady_tok_s == pytest.approx((res.steady_tokens - res.ramp_tokens) / (res.steady_seconds - res.ramp_seconds))
+    # without `first`, the window is the whole time to the drain
+    plain = asyncio.run(closed_loop(send, 2, [10] * 4, 4))
+    assert plain.ramp_seconds == 0.0 and plain.window[0] == plain.started
+
+
 def test_observed_overhead_is_a_mean_per_step_over_runs():
     def run(loop, hop, steps):
         return {"overhead_ms": {"small": {"loop": loop, "hop": hop, "steps": steps},
