@@ -171,6 +171,12 @@ def summarise(n: int, results: dict, pred: dict, sweep: dict) -> dict:
     if "delayed" in t and ("sync" in t or "eager" in t):
         out["delayed_over_best_of_sync_eager"] = t["delayed"] / max(t.get("sync", 0), t.get("eager", 0))
         out["steady_delayed_over_best"] = steady["delayed"] / max(steady.get("sync", 0), steady.get("eager", 0))
+        rounds = [r.get("rounds_tok_s") for r in runs.values()]
+        if all(rounds) and len({len(x) for x in rounds}) == 1:
+            # round by round (the three modes of a round ran back to back, so a slow stretch of the
+            # machine hits all three): the median of delayed / the better of that round's sync, eager
+            best = [max(x) for x in zip(*(r["rounds_tok_s"] for m, r in runs.items() if m != "delayed"))]
+            out["delayed_over_best_by_round"] = float(np.median([d / b for d, b in zip(runs["delayed"]["rounds_tok_s"], best)]))
     if sweep:
         # the chain's best among the thresholds swept (the small model's is the one delayed ran)
         b_pred = max(sweep, key=lambda b: pred["by_thresholds"][b])

@@ -37,7 +37,9 @@ def markdown(data: dict) -> str:
             f" (runs {', '.join(f'{v:.1f}' for v in x['rounds_tok_s'])})" if "rounds_tok_s" in x else "")
             for m, x in r.items()}
         out.append(f"| {n} | {cell['sync']} | {cell['eager']} | {ran} | {cell['delayed']} | "
-                   f"{'-' if ratio is None else f'**{ratio:.3f}**'} | {loads} |")
+                   f"{'-' if ratio is None else f'**{ratio:.3f}**'}"
+                   + (f" (by round {summ[n]['delayed_over_best_by_round']:.3f})" if "delayed_over_best_by_round" in summ[n] else "")
+                   + f" | {loads} |")
     out += ["", "Steady window (N in flight" + (", from the end of the last first request" if data.get("staggered") else "")
             + "), tok/s (median of rounds), and the chain's prediction: served (profile refitted on "
             "the sync and eager runs' forwards, every round's) / start-up profile only:", "",

@@ -109,6 +109,18 @@ def test_summary_reads_off_the_targets():
     assert s["whole_run_measured_loss_at_predicted_best"] == pytest.approx(1 - 105 / 108)
     assert s["sweep_prediction_error"]["1,1"] == pytest.approx(90 / 96 - 1)
     assert predicted_for(pred, "delayed", (1, 2)) == 100.0 and predicted_for(pred, "sync", None) == 80.0
+    assert "delayed_over_best_by_round" not in s  # no rounds recorded
+
+
+def test_summary_pairs_the_modes_round_by_round():
+    def run(rounds):
+        return {"tok_s": float(np.median(rounds)), "steady_tok_s": 1.0, "predicted_tok_s": 1.0,
+                "startup_predicted_tok_s": 1.0, "rounds_tok_s": rounds}
+    results = {"sync@1": run([10.0, 12.0, 9.0]), "eager@1": run([11.0, 10.0, 8.0]), "delayed@1": run([10.0, 12.6, 9.9])}
+    s = summarise(1, results, {}, {})
+    assert s["delayed_over_best_of_sync_eager"] == pytest.approx(1.0)  # medians 10, 10 and 10
+    # per round: 10 / 11, 12.6 / 12, 9.9 / 9 -> median 1.05
+    assert s["delayed_over_best_by_round"] == pytest.approx(1.05)
 
 
 def test_closed_loop_steady_window_ends_when_the_first_client_runs_dry():
