@@ -147,7 +147,8 @@ async def closed_loop(send, n: int, prompts: list, total: int, first=None) -> Lo
         for j, i in enumerate(it):
             t0 = time.perf_counter()
             first_tok, n_tok = None, 0
-            stream = first(k, prompts[i % len(prompts)]) if first is not None and j == 0 else send(prompts[i % len(prompts)])
+            staggered = first is not None and j == 0
+            stream = (first(k, prompts[i % len(prompts)]) if staggered else send(prompts[i % len(prompts)]))
             async for model in stream:
                 if first_tok is None:
                     first_tok = time.perf_counter() - t0
@@ -160,7 +161,7 @@ async def closed_loop(send, n: int, prompts: list, total: int, first=None) -> Lo
             res.ttft.append(first_tok or dt)
             res.e2e.append(dt)
             res._per_request.append((n_tok, dt))
-            if first is not None and j == 0:
+            if staggered:
                 firsts_left -= 1
                 if firsts_left == 0:  # every client is past its staggered first request
                     res.ramp_seconds, res.ramp_tokens = time.perf_counter() - start, res.streamed

@@ -105,23 +105,21 @@ def observed_routing(runs: list[dict], names: list[str]) -> tuple[np.ndarray, np
     whole run, 2.88 in the window, and the eager prediction +5.2 % against -0.1 %)."""
     M = len(names)
     moves, steps, computed = np.zeros((M, M)), np.zeros(M), np.zeros(M)
-    w_steps, w_computed = np.zeros(M), np.zeros(M)
-    windowed = all(r.get("window_steps") and all(r["window_steps"].get(n) for n in names) for r in runs)
     for r in runs:
         for i, n in enumerate(names):
             steps[i] += r["request_steps"][n]
             computed[i] += r["tokens_computed"].get(n, 0)
-            if windowed:
-                w_steps[i] += r["window_steps"][n][0]
-                w_computed[i] += r["window_steps"][n][1]
             for j, m in enumerate(names):
                 if i != j:
                     moves[i, j] += r["handoffs"].get(f"{n}->{m}", 0)
     P = np.where(steps[:, None] > 0, moves / np.maximum(steps, 1)[:, None], 0.0)
     np.fill_diagonal(P, 0.0)
     np.fill_diagonal(P, 1.0 - P.sum(axis=1))
-    if windowed and (w_steps > 0).all():
-        steps, computed = w_steps, w_computed
+    if all(r.get("window_steps") and all(r["window_steps"].get(n) for n in names) for r in runs):
+        # [M, 2] request-steps and tokens computed per model, summed over the runs' windows
+        window = np.array([[r["window_steps"][n] for n in names] for r in runs], dtype=float).sum(axis=0)
+        if (window[:, 0] > 0).all():
+            steps, computed = window[:, 0], window[:, 1]
     tau = np.where(steps > 0, computed / np.maximum(steps, 1), 1.0)
     return P, np.maximum(tau, 1.0)
 
