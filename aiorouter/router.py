@@ -253,6 +253,26 @@ class Router:
         thresholds the one the throughput model predicts best there ("delayed", "eager" or "sync")."""
         return self._launch.mode_at(n)
 
+    def set_schedule(self, schedule: str, thresholds: Mapping[str, int] | None = None) -> None:
+        """Run `schedule` ("delayed" with `thresholds`, "eager" or "sync") at every concurrency from
+        now on, while serving: requests in flight carry on under it, as they do when the tuner swaps
+        a schedule. For a caller that picks the schedule itself, and for A/B measurements of the
+        schedules on one warm router and one stationary load (bench.modes --interleave). Needs a
+        delayed-mode router with fixed thresholds: a tuned one's tuner would overwrite it."""
+        if not self._tasks:
+            raise RuntimeError("router is not started: use `async with Router(...)` or `await router.start()`")
+        if self.mode != "delayed" or self.tuning is not None:
+            raise ValueError("set_schedule needs Router(mode='delayed', thresholds={...}): "
+                             f"this router runs mode {self.mode!r} with thresholds "
+                             f"{'auto (its tuner owns the schedule)' if self.tuning is not None else 'fixed'}")
+        if schedule not in MODES:
+            raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(MODES)}")
+        if schedule == "delayed" and not thresholds:
+            raise ValueError("a delayed schedule needs thresholds, a dict model -> B")
+        table = parse_thresholds(dict(thresholds) if schedule == "delayed" else {n: 1 for n in self.names},
+                                 self.names, self.max_concurrency)
+        self._launch.set_schedule(table, {n: schedule for n in table})
+
     def dead_tasks(self) -> list[str]:
         """Names of subserver tasks that have stopped (a healthy running router has none)."""
         return [t.get_name() for t in self._tasks if t.done()]

@@ -5,6 +5,11 @@ what the throughput model predicts for it (bench/modes_model.py says from what).
                           [--requests-per-client 2] [--min-requests 8] [--rounds 1] [--sweep [--sweep-at 4,8]]
                           [--delayed-thresholds model|auto] [--no-stagger]
                           [--quiet-gate CORES] [--out DIR]
+    python -m bench.modes --pair ... --interleave [--rounds 4] [--window 5] [--settle 1] [--window-lives 2] [--window-requests 8] [--settle-lives 0.5] [--sweep ...]
+
+`--interleave` measures every schedule at N on one router under one unbroken closed loop, in
+windows that take turns (bench/modes_interleaved.py says why: separate runs of one schedule
+differed by 10-30 %); without it, each schedule is separate runs, as follows.
 
 Per N, in one invocation: sync and eager run first (thresholds 1); the model then solves for the
 routing they observed, and delayed runs the schedule it predicts best (`model`: delayed with B* forced
@@ -50,6 +55,7 @@ from aiorouter import Router
 from aiorouter.metrics import SPANS_KEPT
 from bench import workloads as W
 from bench.common import RESULTS, OutsideLoad, cache_dir, closed_loop, machine
+from bench.modes_interleaved import SteadyLoop, pooled, reset_window, window_steps
 from bench.modes_model import (observed_overhead, observed_routing, predict, predicted_for, profile_pair,
                                served_profile)
 from bench.run import PAIRS, _computed, load_pair
@@ -90,15 +96,6 @@ def stagger(tokens: int, n: int, k: int) -> int:
     return max(1, round(tokens * (k + 1) / n))
 
 
-def window_steps(spans: list, window: tuple[float, float]) -> tuple[int, int] | None:
-    """(request-steps, tokens computed) of the steps that started inside the window; None when
-    the spans kept (the last SPANS_KEPT a model) no longer reach back to its start."""
-    if len(spans) >= SPANS_KEPT and spans[0][0] > window[0]:
-        return None
-    inside = [x for x in spans if window[0] <= x[0] < window[1]]
-    return sum(x[2] for x in inside), sum(x[3] for x in inside)
-
-
 async def run_once(pair, mode: str, n: int, prompts: list, tokens: int, total: int,
                    thresholds: dict | str, staggered: bool = True) -> dict:
     models = {"small": str(pair.small), "large": str(pair.large)}
@@ -110,12 +107,7 @@ async def run_once(pair, mode: str, n: int, prompts: list, tokens: int, total: i
 
         await r.wait_tuned()  # `auto`: measure the tuned thresholds, not the B = 1 stand-in
         await closed_loop(lambda p: send(p, WARMUP_TOKENS), n, W.warmup_prompts(n, vocab=pair.vocab), n)
-        for m in r.metrics.models.values():  # measure the run only
-            m.steps, m.step_time_sum = 0, 0.0
-            m.loop_time_sum, m.hop_time_sum, m.timed_steps = 0.0, 0.0, 0
-            m.batch_sizes.clear()
-            m.spans.clear()
-        r.metrics.handoffs.clear()
+        reset_window(r)  # measure the run only
         computed = _computed(r)
         first = (lambda k, p: send(p, stagger(tokens, n, k))) if staggered and n > 1 else None
         with OutsideLoad() as outside:
@@ -195,7 +187,8 @@ SWEEP_KEYS = ("tok_s", "steady_tok_s", "mean_in_flight", "mean_batch", "busy", "
 
 def rotated(items: list, k: int) -> list:
     """items starting at index k % len(items), wrapping round: round k of a rotating order."""
-    return items[k % len(items):] + items[:k % len(items)]
+    k = k % len(items) if items else 0
+    return items[k:] + items[:k]
 
 
 def median_run(runs: list[dict], key: str) -> dict:
@@ -237,15 +230,138 @@ def gated_profile(pair, cap: int, gate: float | None, patience: float):
     return prof, outside.cores
 
 
+def delayed_choice(pred: dict, names: list[str]) -> tuple[str, dict[str, int]]:
+    """(schedule, thresholds) delayed batching runs at N: the model's best of delayed(B*), eager, sync."""
+    sched = pred["schedule"][0]
+    return sched, dict(zip(names, pred["best_thresholds"] if sched == "delayed" else (1,) * len(names)))
+
+
+def fresh_prompt(i: int, vocab: int) -> list[int]:
+    """Request i's prompt in an interleaved run: drawn as bench.workloads.short_prompts draws
+    them, never repeated (a repeat would be a prefix-cache hit, which separate runs never see)."""
+    return W.short_prompts(seed=1_000_003 + i, count=1, vocab=min(vocab, W.VOCAB))[0]
+
+
+async def interleaved_at(pair, n: int, args, prof, tpl_P, tpl_C, sweep: bool) -> tuple[dict, dict, dict]:
+    """Every schedule at N on one router under one closed loop (bench.modes_interleaved): a first
+    cycle of sync and eager windows fits the model, which names what delayed runs; then
+    `args.rounds` cycles of sync, eager, delayed (and with `sweep` every large threshold 1..N,
+    the small one as delayed ran it), each cycle in rotated order. -> (results at N, prediction,
+    sweep)."""
+    names = prof.names
+    ones = dict.fromkeys(names, 1)
+    models = {"small": str(pair.small), "large": str(pair.large)}
+    async with Router(models, policy=pair.policy, policy_args=pair.policy_args, entry="small", mode="delayed",
+                      thresholds=ones, kv_memory_gb=1.0, max_concurrency=max(16, n)) as r:
+        async def send(p):
+            async for ev in r.stream(p, max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True):
+                yield ev.model
+
+        await closed_loop(send, n, W.warmup_prompts(n, vocab=pair.vocab), n)
+        first = (lambda k: stagger(args.tokens, n, k)) if args.stagger and n > 1 else None
+        periods = (args.settle, args.window, args.settle_lives, args.window_lives, args.window_requests)
+        with OutsideLoad() as outside:
+            async with SteadyLoop(r, n, lambda i: fresh_prompt(i, pair.vocab), args.tokens, first) as loop:
+                await loop.ramped.wait()  # every client past its staggered first request
+                fit = [await loop.measure(m, ones, *periods) for m in ("sync", "eager")]
+                pred = await asyncio.to_thread(model_at, prof, fit, tpl_P, tpl_C, n)
+                sched, th = delayed_choice(pred, names)
+                b0 = pred["best_thresholds"][0]  # the sweep runs B*'s small threshold, whatever delayed runs
+                modes = [("sync", "sync", ones), ("eager", "eager", ones), ("delayed", sched, th)]
+                points = [(f"{b0},{b1}", "delayed", {names[0]: b0, names[1]: b1})
+                          for b1 in range(1, n - b0 + 2)] if sweep else []  # feasible: (b0-1) + (b1-1) < n
+                windows: dict[str, list[dict]] = {key: [] for key, _, _ in modes + points}
+                for rnd in tqdm(range(args.rounds), desc=f"N={n} cycles", leave=False):
+                    for key, mode, b in rotated(modes, rnd) + rotated(points, rnd):
+                        windows[key].append(await loop.measure(mode, b, *periods))
+    first_pred = pred
+    seen = fit + windows["sync"] + windows["eager"]  # never a delayed window
+    pred = await asyncio.to_thread(model_at, prof, seen, tpl_P, tpl_C, n)
+    pred["first_round"] = {k: first_pred[k] for k in ("schedule", "best_thresholds", "best_tok_s", "eager_tok_s",
+                                                      "sync_tok_s", "by_thresholds")}
+    results = {}
+    for key, _, _ in modes:
+        results[f"{key}@{n}"] = {**pooled(windows[key]), "outside_load_cores": outside.cores,
+                                 "load_avg": os.getloadavg()}
+        if key != "delayed":
+            results[f"{key}@{n}"].pop("schedule")
+            results[f"{key}@{n}"].pop("thresholds")
+    sweep_out = {}
+    for key, _, _ in points:
+        run = pooled(windows[key])
+        sweep_out[key] = {**{k: run[k] for k in SWEEP_KEYS if k in run}, "rounds_tok_s": run["rounds_tok_s"],
+                          "rounds_steady_tok_s": run["rounds_steady_tok_s"]}
+    return results, pred, sweep_out
+
+
+def separate_at(run, n: int, args, modes: list[str], prof, tpl_P, tpl_C, sweep_here: bool) -> tuple[dict, dict, dict]:
+    """Every schedule at N as separate runs, each its own router and closed loop: sync and eager
+    first; the model fitted on them names what delayed runs; `--rounds` rounds in rotating
+    order, each mode's figure its median run. -> (results at N, prediction, sweep)."""
+    results = {}
+    total = max(n * args.requests_per_client, args.min_requests)
+    ones = {"small": 1, "large": 1}
+    for mode in [m for m in ("sync", "eager") if m in modes]:
+        results[f"{mode}@{n}"] = run(mode, n, total, ones)
+    seen = [results[f"{m}@{n}"] for m in ("sync", "eager") if f"{m}@{n}" in results]
+    pred = model_at(prof, seen, tpl_P, tpl_C, n)
+    if "delayed" in modes:
+        if args.delayed_thresholds == "model":
+            # delayed batching is the best schedule the model finds: delayed(B*), eager or sync
+            sched, th = delayed_choice(pred, prof.names)
+            delayed = lambda: run("sync" if sched == "sync" else "delayed", n, total, th)  # noqa: E731
+        else:
+            sched, delayed = None, lambda: run("delayed", n, total, "auto")  # noqa: E731
+        results[f"delayed@{n}"] = delayed()
+        if sched is not None:
+            results[f"delayed@{n}"]["schedule"] = sched
+        # more rounds, the three in turn, each round starting one mode later (round 1 ran sync,
+        # eager, delayed; round 2 runs eager, delayed, sync; ...): at N = 1 the three run one
+        # schedule, and a fixed order read delayed 0.91x eager from run order alone (delayed
+        # first: 56.9 / 52.9 / 57.0 / 63.1 against eager's 54.2 / 56.9 / 54.1 / 55.9 tok/s).
+        # Each mode's figure is its median run.
+        more = {m: [results[f"{m}@{n}"]] for m in ("sync", "eager", "delayed") if f"{m}@{n}" in results}
+        order = list(more)
+        for rnd in range(1, args.rounds):
+            for m in rotated(order, rnd):
+                more[m].append(delayed() if m == "delayed" else run(m, n, total, ones))
+        if args.rounds > 1 and seen:
+            # The figures are predicted again from every round's sync and eager runs (never a
+            # delayed run): this machine's speed moves by ~7 % over seconds (a 2-core matmul's
+            # medians 1.34-1.54 s in eight 5 s windows), and a fit on one round's runs carries
+            # that round's speed into every prediction at N. Delayed ran the first fit's choice.
+            first = pred
+            pred = model_at(prof, [r for m in ("sync", "eager") if m in more for r in more[m]], tpl_P, tpl_C, n)
+            pred["first_round"] = {k: first[k] for k in ("schedule", "best_thresholds", "best_tok_s",
+                                                         "eager_tok_s", "sync_tok_s", "by_thresholds")}
+        if args.rounds > 1:
+            for m, runs in more.items():
+                mid = median_run(runs, "tok_s")
+                for r in runs:
+                    r.pop("spans", None)
+                # (the chain is held to the median window, as each sweep point's is)
+                results[f"{m}@{n}"] = {**mid, "schedule": results[f"{m}@{n}"].get("schedule", m),
+                                       "steady_tok_s": float(np.median([r["steady_tok_s"] for r in runs])),
+                                       "rounds_tok_s": [r["tok_s"] for r in runs],
+                                       "rounds_steady_tok_s": [r["steady_tok_s"] for r in runs]}
+                if m != "delayed":
+                    results[f"{m}@{n}"].pop("schedule")
+    sweep = {}
+    if sweep_here:
+        b0 = pred.get("first_round", pred)["best_thresholds"][0]  # the small threshold delayed ran with
+        sweep = run_sweep(lambda th: run("delayed", n, total, th), n, b0, args.rounds)
+    return results, pred, sweep
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", choices=PAIRS, default="cpu-tiny")
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--modes", default="sync,eager,delayed")
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--requests-per-client", type=int, default=2)
-    ap.add_argument("--min-requests", type=int, default=8,
-                    help="at least this many requests a run: at N = 1, 2 requests (~2.5 s) moved a run by 15%%")
+    ap.add_argument("--requests-per-client", type=int, default=None, help="separate runs: requests a client (default 2)")
+    ap.add_argument("--min-requests", type=int, default=None,
+                    help="separate runs (default 8): at least this many requests a run: at N = 1, 2 requests (~2.5 s) moved a run by 15%%")
     ap.add_argument("--delayed-thresholds", choices=("model", "auto"), default="model")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run sync, eager and delayed (and each --sweep point) this many times each, in turn, "
@@ -257,6 +373,18 @@ def main(argv=None) -> int:
     ap.add_argument("--no-stagger", dest="stagger", action="store_false",
                     help="start every client with a full-length request (default: client k's first request has "
                          "(k + 1) / N of the tokens, and the steady window starts once all first requests ended)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="measure the schedules in turn on one router under one unbroken closed loop "
+                         "(bench/modes_interleaved.py): --rounds cycles of --window s windows, each after --settle s")
+    ap.add_argument("--window", type=float, default=5.0, help="with --interleave: seconds measured a window")
+    ap.add_argument("--settle", type=float, default=1.0,
+                    help="with --interleave: seconds under a newly set schedule before its window")
+    ap.add_argument("--window-lives", type=float, default=2.0,
+                    help="with --interleave: a window is also at least this many request lifetimes")
+    ap.add_argument("--window-requests", type=int, default=8,
+                    help="with --interleave: and holds at least this many answered requests")
+    ap.add_argument("--settle-lives", type=float, default=0.5,
+                    help="with --interleave: and its settle at least this many")
     ap.add_argument("--quiet-gate", type=float, default=None, metavar="CORES",
                     help="measure only while other processes use fewer cores than this")
     ap.add_argument("--quiet-patience", type=float, default=300.0, metavar="SECONDS",
@@ -271,6 +399,17 @@ def main(argv=None) -> int:
         ap.error(f"modes must be sync, eager, delayed (got {unknown}) and N >= 1")
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.interleave:
+        if set(modes) != {"sync", "eager", "delayed"} or args.delayed_thresholds != "model" or args.quiet_gate is not None:
+            ap.error("--interleave measures sync, eager and delayed (model thresholds) together; "
+                     "--modes, --delayed-thresholds auto and --quiet-gate apply to separate runs only")
+        if args.requests_per_client is not None or args.min_requests is not None:
+            ap.error("--requests-per-client and --min-requests size separate runs; --interleave measures "
+                     "--rounds cycles of --window s windows instead")
+        if args.window <= 0 or args.window_requests < 1 or min(args.settle, args.window_lives, args.settle_lives) < 0:
+            ap.error("--window must be > 0, --window-requests >= 1, and --settle, --window-lives, --settle-lives >= 0")
+    args.requests_per_client = 2 if args.requests_per_client is None else args.requests_per_client
+    args.min_requests = 8 if args.min_requests is None else args.min_requests
     pair = load_pair(args.pair)
     prompts = W.short_prompts(seed=0, count=64, vocab=min(pair.vocab, W.VOCAB))
     gate = args.quiet_gate
@@ -283,59 +422,13 @@ def main(argv=None) -> int:
     tpl_P, tpl_C = _template(pair)
     results, predictions, sweeps, summary = {}, {}, {}, {}
     for n in tqdm(ns, desc=f"modes {args.pair}"):
-        total = max(n * args.requests_per_client, args.min_requests)
-        ones = {"small": 1, "large": 1}
-        for mode in [m for m in ("sync", "eager") if m in modes]:
-            results[f"{mode}@{n}"] = run(mode, n, total, ones)
-        seen = [results[f"{m}@{n}"] for m in ("sync", "eager") if f"{m}@{n}" in results]
-        pred = predictions[n] = model_at(prof, seen, tpl_P, tpl_C, n)
-        if "delayed" in modes:
-            if args.delayed_thresholds == "model":
-                # delayed batching is the best schedule the model finds: delayed(B*), eager or sync
-                sched = pred["schedule"][0]
-                th = dict(zip(prof.names, pred["best_thresholds"] if sched == "delayed" else (1, 1)))
-                delayed = lambda: run("sync" if sched == "sync" else "delayed", n, total, th)  # noqa: E731
-            else:
-                sched, delayed = None, lambda: run("delayed", n, total, "auto")  # noqa: E731
-            results[f"delayed@{n}"] = delayed()
-            if sched is not None:
-                results[f"delayed@{n}"]["schedule"] = sched
-            # more rounds, the three in turn, each round starting one mode later (round 1 ran sync,
-            # eager, delayed; round 2 runs eager, delayed, sync; ...): at N = 1 the three run one
-            # schedule, and a fixed order read delayed 0.91x eager from run order alone (delayed
-            # first: 56.9 / 52.9 / 57.0 / 63.1 against eager's 54.2 / 56.9 / 54.1 / 55.9 tok/s).
-            # Each mode's figure is its median run.
-            more = {m: [results[f"{m}@{n}"]] for m in ("sync", "eager", "delayed") if f"{m}@{n}" in results}
-            order = list(more)
-            for rnd in range(1, args.rounds):
-                for m in rotated(order, rnd):
-                    more[m].append(delayed() if m == "delayed" else run(m, n, total, ones))
-            if args.rounds > 1 and seen:
-                # The figures are predicted again from every round's sync and eager runs (never a
-                # delayed run): this machine's speed moves by ~7 % over seconds (a 2-core matmul's
-                # medians 1.34-1.54 s in eight 5 s windows), and a fit on one round's runs carries
-                # that round's speed into every prediction at N. Delayed ran the first fit's choice.
-                first = pred
-                pred = predictions[n] = model_at(prof, [r for m in ("sync", "eager") if m in more for r in more[m]],
-                                                 tpl_P, tpl_C, n)
-                pred["first_round"] = {k: first[k] for k in ("schedule", "best_thresholds", "best_tok_s",
-                                                             "eager_tok_s", "sync_tok_s", "by_thresholds")}
-            if args.rounds > 1:
-                for m, runs in more.items():
-                    mid = median_run(runs, "tok_s")
-                    for r in runs:
-                        r.pop("spans", None)
-                    # (the chain is held to the median window, as each sweep point's is)
-                    results[f"{m}@{n}"] = {**mid, "schedule": results[f"{m}@{n}"].get("schedule", m),
-                                           "steady_tok_s": float(np.median([r["steady_tok_s"] for r in runs])),
-                                           "rounds_tok_s": [r["tok_s"] for r in runs],
-                                           "rounds_steady_tok_s": [r["steady_tok_s"] for r in runs]}
-                    if m != "delayed":
-                        results[f"{m}@{n}"].pop("schedule")
-        sweep = {}
-        if args.sweep and n > 1 and (sweep_at is None or n in sweep_at):
-            b0 = pred.get("first_round", pred)["best_thresholds"][0]  # the small threshold delayed ran with
-            sweep = sweeps[n] = run_sweep(lambda th: run("delayed", n, total, th), n, b0, args.rounds)
+        sweep_here = args.sweep and n > 1 and (sweep_at is None or n in sweep_at)
+        at_n, pred, sweep = (asyncio.run(interleaved_at(pair, n, args, prof, tpl_P, tpl_C, sweep_here))
+                             if args.interleave else separate_at(run, n, args, modes, prof, tpl_P, tpl_C, sweep_here))
+        results.update(at_n)
+        predictions[n] = pred
+        if sweep:
+            sweeps[n] = sweep
         for key in [k for k in results if k.endswith(f"@{n}")]:
             mode = results[key].get("schedule", key.split("@")[0])  # delayed@N may have run eager or sync
             th = results[key].get("thresholds")
@@ -349,7 +442,10 @@ def main(argv=None) -> int:
     data = {"machine": machine(), "pair": args.pair, "policy": pair.policy, "policy_args": pair.policy_args,
             "tokens": args.tokens, "requests_per_client": args.requests_per_client, "staggered": args.stagger,
             "min_requests": args.min_requests, "sweep_at": sorted(sweep_at) if sweep_at else None,
-            "delayed_thresholds": args.delayed_thresholds, "quiet_gate_cores": gate,
+            "delayed_thresholds": args.delayed_thresholds,
+            "interleave": {"window_s": args.window, "settle_s": args.settle, "window_lives": args.window_lives,
+                           "window_requests": args.window_requests,
+                           "settle_lives": args.settle_lives, "cycles": args.rounds} if args.interleave else None, "quiet_gate_cores": gate,
             "profile": {**prof.describe(), "outside_load_cores": prof_load},
             "template_P": tpl_P.tolist(), "results": results, "predictions": predictions, "sweep": sweeps,
             "summary": summary}

@@ -34,6 +34,7 @@ import torch
 from aiorouter.cpu_threads import CoreShare, plan_threads
 from aiorouter.tuning.served import ServedFit, StepSpan, fit_served
 from aiorouter.tuning import (
+    DELAYED_MARGIN,
     Contention,
     LatencyModel,
     ModelSpec,
@@ -157,7 +158,7 @@ def predict(profile: PairProfile, P: np.ndarray, C: np.ndarray, tau: np.ndarray,
     spec = ModelSpec.build(P, C, lats, choice.delta, con)
     row = best_thresholds(spec, N, cache=SolveCache())
     sync = sync_throughput(spec, N)
-    sched = choose_schedule(row, sync)
+    sched = choose_schedule(row, sync, delayed_margin=DELAYED_MARGIN)  # as the router's tuner chooses
     # The same without contention: what the chain predicted before it modelled shared hardware.
     free = best_thresholds(ModelSpec.build(P, C, lats, choice.delta), N, cache=SolveCache())
     return {"delta_ms": 1e3 * choice.delta, "routing_P": P.round(4).tolist(), "tokens_per_step": tau.round(3).tolist(),

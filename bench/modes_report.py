@@ -16,10 +16,15 @@ def _pct(x: float | None) -> str:
 def markdown(data: dict) -> str:
     res, pred, summ, sweep = data["results"], data["predictions"], data["summary"], data.get("sweep", {})
     prof = data["profile"]
-    out = [f"**{data['pair']}** ({data['policy']} {data['policy_args']}), {data['tokens']} output tokens, "
+    il = data.get("interleave")
+    how = (f"interleaved on one router and one closed loop: {il['cycles']} cycles, each schedule's window at "
+           f"least {il['window_s']:g} s, {il.get('window_lives', 0):g} request lifetimes and "
+           f"{il.get('window_requests', 1)} answers, after at least {il['settle_s']:g} s and "
+           f"{il.get('settle_lives', 0):g} lifetimes under it" if il else
            f"{data['requests_per_client']} requests per client (at least {data.get('min_requests', 0)} a run"
-           + ("; staggered start: N more requests, client k's first with (k + 1) / N of the tokens" if data.get("staggered")
-              else "") + "); "
+           + ("; staggered start: N more requests, client k's first with (k + 1) / N of the tokens"
+              if data.get("staggered") else "") + ")")
+    out = [f"**{data['pair']}** ({data['policy']} {data['policy_args']}), {data['tokens']} output tokens, {how}; "
            f"profile: step cost {prof['profile_s']['step_cost']:.1f} s, contention "
            f"{prof['profile_s']['contention']:.1f} s (other processes {prof.get('outside_load_cores') or 0:.2f} cores).",
            "", "Whole run, tok/s (what a client gets):", "",
@@ -34,15 +39,18 @@ def markdown(data: dict) -> str:
         loads = ", ".join(f"{x.get('outside_load_cores') or 0:.2f}" for x in r.values() if x)
         ratio = summ[n].get("delayed_over_best_of_sync_eager")
         cell = {m: "-" if x is None else f"{x['tok_s']:.1f}" + (
-            f" (runs {', '.join(f'{v:.1f}' for v in x['rounds_tok_s'])})" if "rounds_tok_s" in x else "")
+            f" ({'windows' if il else 'runs'} {', '.join(f'{v:.1f}' for v in x['rounds_tok_s'])})" if "rounds_tok_s" in x else "")
             for m, x in r.items()}
         out.append(f"| {n} | {cell['sync']} | {cell['eager']} | {ran} | {cell['delayed']} | "
                    f"{'-' if ratio is None else f'**{ratio:.3f}**'}"
                    + (f" (by round {summ[n]['delayed_over_best_by_round']:.3f})" if "delayed_over_best_by_round" in summ[n] else "")
                    + f" | {loads} |")
-    out += ["", "Steady window (N in flight" + (", from the end of the last first request" if data.get("staggered") else "")
-            + "), tok/s (median of rounds), and the chain's prediction: served (profile refitted on "
-            "the sync and eager runs' forwards, every round's) / start-up profile only:", "",
+    out += ["", ("Every window of the schedule pooled (tokens over seconds)" if il else
+                 "Steady window (N in flight" + (", from the end of the last first request" if data.get("staggered") else "")
+                 + "), tok/s (median of rounds)")
+            + ", and the chain's prediction: served (profile refitted on the sync and eager "
+            + ("windows' forwards, every cycle's" if il else "runs' forwards, every round's")
+            + ") / start-up profile only:", "",
             "| N | sync | eager | delayed | mean in flight (whole run) | served fit: scale/slope scale, kappa (small; large) |",
             "|---|---|---|---|---|---|"]
     for n in sorted(pred, key=int):

@@ -162,10 +162,24 @@ def test_choose_schedule_picks_the_best_candidate() -> None:
     faster = choose_schedule(row, row.best_throughput * 1.1)
     assert faster.choice == ("sync",) and faster.predicted == pytest.approx(row.best_throughput * 1.1)
     assert choose_schedule(row, row.best_throughput * 1.1, sync_margin=0.2).mode == "delayed"
+    # B* must beat the better of eager and sync by more than delayed_margin, or that one runs
+    sync = sync_throughput(spec, 4)
+    gain = row.best_throughput / max(s.eager, sync.throughput) - 1
+    assert gain > 0
+    assert choose_schedule(row, sync, delayed_margin=0.99 * gain).choice == ("delayed", (1, 3))
+    simple = "sync" if sync.throughput > s.eager else "eager"
+    held = choose_schedule(row, sync, delayed_margin=1.01 * gain)
+    assert held.mode == simple and held.predicted == max(s.eager, sync.throughput)
+    assert held.best_thresholds == (1, 3) and held.delayed == row.best_throughput  # B* is still reported
+    with pytest.raises(ValueError, match="delayed_margin"):
+        choose_schedule(row, sync, delayed_margin=-0.1)
     one = best_thresholds(spec, 1, cache=SolveCache())
     assert choose_schedule(one, 0.0).choice == ("eager",)  # B* = all ones is eager
     # One request: sync runs the same steps; it must not win on the solver's rounding.
     assert choose_schedule(one, sync_throughput(spec, 1)).choice == ("eager",)
+    # ... nor on the two methods' difference (1.3e-6 relative on cpu-tiny's fitted profile)
+    assert choose_schedule(one, one.best_throughput * (1 + 1.3e-6)).choice == ("eager",)
+    assert choose_schedule(one, one.best_throughput * (1 + 1e-4)).choice == ("sync",)
 
 
 def test_contention_moves_the_optimum_towards_sync_or_larger_batches() -> None:

@@ -9,7 +9,7 @@ from .drift import RoutingDrift, observed_routing, routing_drift
 from .dtmc import DEFAULT_MAX_STATES, DTMCResult, solve_dtmc, solve_many, throughput
 from .latency import LatencyModel, StepCost, fit_latency, fit_step_cost
 from .online import RoutingEstimator, TuningCancelled
-from .schedules import Schedule, SyncResult, choose_schedule, sync_throughput
+from .schedules import DELAYED_MARGIN, Schedule, SyncResult, choose_schedule, sync_throughput
 from .tuner import Proposal, Solved, Tuner, TunerConfig
 from .quantum import DEFAULT_TABLE_STATES, DeltaChoice, choose_delta
 from .search import (
@@ -37,6 +37,6 @@ __all__ = [
     "compare_latency_models", "feasible_thresholds", "fit_latency", "is_feasible", "simulate",
     "solve_dtmc", "solve_grid", "solve_many", "threshold_table", "throughput",
     "Proposal", "RoutingDrift", "Schedule", "Solved", "SyncResult", "TuningCancelled",
-    "StepCost", "fit_step_cost", "choose_schedule", "observed_routing", "routing_drift", "sync_throughput",
+    "StepCost", "fit_step_cost", "choose_schedule", "DELAYED_MARGIN", "observed_routing", "routing_drift", "sync_throughput",
     "ServedFit", "StepSpan", "fit_served",
 ]

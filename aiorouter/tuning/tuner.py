@@ -32,7 +32,7 @@ from .dtmc import DEFAULT_MAX_STATES
 from .latency import LatencyLike, LatencyModel
 from .online import RoutingEstimator, TuningCancelled
 from .quantum import choose_delta
-from .schedules import Schedule, SyncResult, choose_schedule, sync_throughput
+from .schedules import DELAYED_MARGIN, Schedule, SyncResult, choose_schedule, sync_throughput
 from .search import SearchResult, SolveCache, ThresholdTable, threshold_table
 from .served import ServedFit
 from .spec import DEFAULT_DELTA, ModelSpec, check_concurrency
@@ -62,6 +62,7 @@ class TunerConfig:
     # throughput of one schedule moves by ~3 % between runs on the bench machine.
     min_gain: float = 0.03
     sync_margin: float = 0.0  # sync must beat delayed by more than this to be chosen
+    delayed_margin: float = DELAYED_MARGIN  # ... and delayed B* (not all ones) the better of eager and sync
     # A step cost that moves a model's L(1) or L(cap) by more than this share calls for a re-solve
     cost_margin: float = 0.02
     # ... and a kappa that moves by more than this (kappa from served steps; served.py)
@@ -72,7 +73,7 @@ class TunerConfig:
               **kw: object) -> "TunerConfig":
         spec = ModelSpec.build(P, C, list(latency), kw.pop("delta", DEFAULT_DELTA),  # type: ignore[arg-type]
                                kw.pop("contention", None))  # type: ignore[arg-type]
-        for name in ("min_gain", "sync_margin", "drift_margin", "drift_z", "cost_margin", "contention_margin"):
+        for name in ("min_gain", "sync_margin", "delayed_margin", "drift_margin", "drift_z", "cost_margin", "contention_margin"):
             if name in kw and not float(kw[name]) >= 0:  # type: ignore[arg-type]
                 raise ValueError(f"TunerConfig.{name} must be >= 0, got {kw[name]!r}")
         return cls(P=spec.P, C=spec.C, latency=spec.latency, max_concurrency=check_concurrency(max_concurrency),
@@ -237,7 +238,7 @@ class Tuner:
         for row, sync, failure in rows:
             if failure is not None:
                 log.warning("B* (%s) N=%d: solve failed (%s); using N=%d's B=%s", why, row.N, failure, row.N - 1, row.best)
-            schedules[row.N] = choose_schedule(row, sync, cfg.sync_margin)
+            schedules[row.N] = choose_schedule(row, sync, cfg.sync_margin, cfg.delayed_margin)
         table = ThresholdTable(tuple(r for r, _, _ in rows), time.perf_counter() - t0)
         for row in table.rows:
             s = schedules[row.N]

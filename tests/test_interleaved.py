@@ -1,0 +1,90 @@
+"""Schedules measured in turn on one router (bench.modes --interleave): Router.set_schedule and
+the steady closed loop's windows, on SimEngine."""
+from __future__ import annotations
+
+import pytest
+
+from aiorouter import Router
+from bench.modes_interleaved import SteadyLoop, pooled
+
+SIM = {"small": {"engine": "sim", "latency_ms": 2.0}, "large": {"engine": "sim", "latency_ms": 6.0}}
+ARGS = dict(policy="random", policy_args={"p": 0.35, "seed": 1})
+
+
+async def test_set_schedule_switches_every_concurrency_while_serving():
+    async with Router(SIM, **ARGS, mode="delayed", thresholds={"small": 1, "large": 1}, max_concurrency=4) as r:
+        r.set_schedule("sync")
+        assert [r.schedule(n) for n in range(1, 5)] == ["sync"] * 4
+        res = await r.generate([1, 2, 3], max_tokens=12, ignore_eos=True)  # serves under the new schedule
+        assert len(res.token_ids) == 12
+        r.set_schedule("delayed", {"large": 3})
+        assert r.schedule(2) == "delayed" and r.thresholds(2) == {"small": 1, "large": 3}
+        r.set_schedule("eager", {"large": 3})  # eager is every B = 1, whatever is passed
+        assert r.schedule(4) == "eager" and r.thresholds(4) == {"small": 1, "large": 1}
+        with pytest.raises(ValueError, match="unknown schedule 'fast'"):
+            r.set_schedule("fast")
+        with pytest.raises(ValueError, match="needs thresholds"):
+            r.set_schedule("delayed")
+        with pytest.raises(ValueError, match="unknown model 'huge'"):
+            r.set_schedule("delayed", {"huge": 2})
+        assert len((await r.generate([4, 5], max_tokens=5, ignore_eos=True)).token_ids) == 5  # still serving
+
+
+async def test_set_schedule_refuses_a_router_whose_schedule_it_does_not_own():
+    with pytest.raises(RuntimeError, match="not started"):
+        Router(SIM, **ARGS, thresholds={"large": 2}).set_schedule("sync")
+    async with Router(SIM, **ARGS, mode="eager", thresholds={"large": 1}) as r:
+        with pytest.raises(ValueError, match="mode 'eager'"):
+            r.set_schedule("sync")
+    async with Router(SIM, **ARGS, tune_concurrency=2, max_concurrency=2) as r:  # thresholds="auto"
+        with pytest.raises(ValueError, match="its tuner owns the schedule"):
+            r.set_schedule("sync")
+
+
+async def test_steady_loop_windows_start_and_end_on_answers_and_never_repeat_a_prompt():
+    asked = []
+
+    def prompt_at(i):
+        asked.append(i)
+        return [1 + i % 7, 2, 3]
+
+    async with Router(SIM, **ARGS, mode="delayed", thresholds={"small": 1, "large": 1}, max_concurrency=4) as r:
+        async with SteadyLoop(r, 3, prompt_at, 8, first_tokens=lambda k: 2 + 2 * k) as loop:
+            await loop.ramped.wait()
+            w = [await loop.measure(m, {"small": 1, "large": 2}, 0.05, 0.3, window_requests=5)
+                 for m in ("sync", "delayed", "sync")]
+            finished = loop.finished
+        assert r.num_active == 0  # leaving the loop cancelled its requests, and the router dropped them
+    assert asked == list(range(len(asked))) and finished >= 3
+    assert [x["schedule"] for x in w] == ["sync", "delayed", "sync"]
+    assert w[0]["thresholds"] is None and w[1]["thresholds"] == {"small": 1, "large": 2}
+    for x in w:
+        assert x["seconds"] >= 0.3 and x["requests"] >= 5 and x["tokens"] > 0 and x["tok_s"] == pytest.approx(x["tokens"] / x["seconds"])
+        assert 2.0 < x["mean_in_flight"] <= 3.0  # three clients, each between two requests only briefly
+        assert x["request_steps"]["small"] > 0 and x["handoffs"].get("small->large", 0) > 0
+        assert x["window_steps"]["small"][0] <= x["request_steps"]["small"]  # steps begun in the window
+    both = pooled([w[0], w[2]])
+    assert both["tok_s"] == pytest.approx((w[0]["tokens"] + w[2]["tokens"]) / (w[0]["seconds"] + w[2]["seconds"]))
+    assert both["rounds_tok_s"] == [w[0]["tok_s"], w[2]["tok_s"]] and both["windows"] == 2
+    assert both["requests"] == w[0]["requests"] + w[2]["requests"]
+    assert both["request_steps"]["large"] == w[0]["request_steps"]["large"] + w[2]["request_steps"]["large"]
+    n = {k: w[0]["overhead_ms"][k]["steps"] + w[2]["overhead_ms"][k]["steps"] for k in ("small", "large")}
+    assert both["overhead_ms"]["small"]["steps"] == n["small"]
+    assert both["overhead_ms"]["small"]["loop"] == pytest.approx(
+        (w[0]["overhead_ms"]["small"]["loop"] * w[0]["overhead_ms"]["small"]["steps"]
+         + w[2]["overhead_ms"]["small"]["loop"] * w[2]["overhead_ms"]["small"]["steps"]) / n["small"])
+    assert len(both["spans"]["large"]) == len(w[0]["spans"]["large"]) + len(w[2]["spans"]["large"])
+
+
+async def test_a_window_never_goes_on_without_a_client_that_died():
+    def prompt_at(i):
+        if i >= 4:
+            raise ValueError(f"no prompt {i}")
+        return [1, 2, 3]
+
+    async with Router(SIM, **ARGS, mode="delayed", thresholds={"small": 1, "large": 1}, max_concurrency=4) as r:
+        async with SteadyLoop(r, 2, prompt_at, 6) as loop:
+            with pytest.raises(RuntimeError, match="client died: ValueError\\('no prompt 4'\\)"):
+                for _ in range(20):
+                    await loop.measure("eager", {"small": 1}, 0.01, 0.05)
+        assert len((await r.generate([5, 6], max_tokens=3, ignore_eos=True)).token_ids) == 3  # the router serves on
