@@ -58,7 +58,7 @@ from bench.common import RESULTS, OutsideLoad, cache_dir, closed_loop, machine
 from bench.modes_interleaved import SteadyLoop, pooled, reset_window, window_steps
 from bench.modes_model import (observed_overhead, observed_routing, predict, predicted_for, profile_pair,
                                served_profile)
-from bench.run import PAIRS, _computed, load_pair
+from bench.run import PAIRS, load_pair, tokens_computed
 
 WARMUP_TOKENS = 16
 
@@ -108,13 +108,13 @@ async def run_once(pair, mode: str, n: int, prompts: list, tokens: int, total: i
         await r.wait_tuned()  # `auto`: measure the tuned thresholds, not the B = 1 stand-in
         await closed_loop(lambda p: send(p, WARMUP_TOKENS), n, W.warmup_prompts(n, vocab=pair.vocab), n)
         reset_window(r)  # measure the run only
-        computed = _computed(r)
+        computed = tokens_computed(r)
         first = (lambda k, p: send(p, stagger(tokens, n, k))) if staggered and n > 1 else None
         with OutsideLoad() as outside:
             res = await closed_loop(send, n, prompts, total + (n if first else 0), first)
         out = res.summary()
         out["outside_load_cores"] = outside.cores  # other processes' CPU use during the run
-        out["tokens_computed"] = {k: v - computed[k] for k, v in _computed(r).items()}
+        out["tokens_computed"] = {k: v - computed[k] for k, v in tokens_computed(r).items()}
         out["handoffs"] = {f"{a}->{b}": c for (a, b), c in r.metrics.handoffs.items()}
         out["request_steps"] = {k: sum(b * c for b, c in m.batch_sizes.items()) for k, m in r.metrics.models.items()}
         out["mean_batch"] = {k: m.mean_batch_size for k, m in r.metrics.models.items()}
@@ -245,9 +245,8 @@ def fresh_prompt(i: int, vocab: int) -> list[int]:
 async def interleaved_at(pair, n: int, args, prof, tpl_P, tpl_C, sweep: bool) -> tuple[dict, dict, dict]:
     """Every schedule at N on one router under one closed loop (bench.modes_interleaved): a first
     cycle of sync and eager windows fits the model, which names what delayed runs; then
-    `args.rounds` cycles of sync, eager, delayed (and with `sweep` every large threshold 1..N,
-    the small one as delayed ran it), each cycle in rotated order. -> (results at N, prediction,
-    sweep)."""
+    `args.rounds` cycles of sync, eager, delayed (and with `sweep` every feasible large threshold,
+    the small one B*'s), each cycle in rotated order. -> (results at N, prediction, sweep)."""
     names = prof.names
     ones = dict.fromkeys(names, 1)
     models = {"small": str(pair.small), "large": str(pair.large)}

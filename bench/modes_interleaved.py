@@ -23,7 +23,7 @@ import numpy as np
 
 from aiorouter import Router
 from aiorouter.metrics import SPANS_KEPT
-from bench.run import _computed
+from bench.run import tokens_computed
 
 
 class SteadyLoop:
@@ -133,13 +133,13 @@ class SteadyLoop:
         self.check()
         await self.next_finish()
         reset_window(r)
-        t0, s0, f0, c0 = time.perf_counter(), self.streamed, self.flight_now(), _computed(r)
+        t0, s0, f0, c0 = time.perf_counter(), self.streamed, self.flight_now(), tokens_computed(r)
         f_start = self.finished
         await asyncio.sleep(max(window, window_lives * self.lifetime()))
         await self.next_finish()
         while self.finished - f_start < window_requests:
             await self.next_finish()
-        t1, s1, f1, c1 = time.perf_counter(), self.streamed, self.flight_now(), _computed(r)
+        t1, s1, f1, c1 = time.perf_counter(), self.streamed, self.flight_now(), tokens_computed(r)
         self.check()
         out = window_record(r, t1 - t0, s1 - s0, {k: c1[k] - c0[k] for k in c1}, (t0, t1))
         out.update(mean_in_flight=(f1 - f0) / (t1 - t0), requests=self.finished - f_start, schedule=schedule,

@@ -136,9 +136,9 @@ async def _router_run(pair: Pair, system: str, wl: W.Workload, n: int, total: in
             m.steps, m.step_time_sum, m.admission_delay_sum, m.admission_delay_count = 0, 0.0, 0.0, 0
             m.batch_sizes.clear()
         r.metrics.handoffs.clear()
-        before = _computed(r)
+        before = tokens_computed(r)
         res = await closed_loop(send, n, wl.prompts, total)
-        computed = {k: v - before[k] for k, v in _computed(r).items()}
+        computed = {k: v - before[k] for k, v in tokens_computed(r).items()}
         out = res.summary()
         out["tokens_computed"] = dict(computed)  # tokens each model ran through its layers (extends included)
         if system in ROUTER_MODES:
@@ -152,7 +152,7 @@ async def _router_run(pair: Pair, system: str, wl: W.Workload, n: int, total: in
         return out
 
 
-def _computed(r) -> dict[str, int]:
+def tokens_computed(r) -> dict[str, int]:
     """Tokens each model has run through its layers so far (prefill, decode and catch-up extends)."""
     return {s.name: s.engine.stats.num_prefill_tokens + s.engine.stats.num_decode_tokens for s in r.subservers}
 
