@@ -269,7 +269,7 @@ class Router:
             raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(MODES)}")
         if schedule == "delayed" and not thresholds:
             raise ValueError("a delayed schedule needs thresholds, a dict model -> B")
-        table = parse_thresholds(dict(thresholds) if schedule == "delayed" else {n: 1 for n in self.names},
+        table = parse_thresholds(dict(thresholds) if schedule == "delayed" else dict.fromkeys(self.names, 1),
                                  self.names, self.max_concurrency)
         self._launch.set_schedule(table, {n: schedule for n in table})
 

@@ -52,7 +52,6 @@ import numpy as np
 from tqdm import tqdm
 
 from aiorouter import Router
-from aiorouter.metrics import SPANS_KEPT
 from bench import workloads as W
 from bench.common import RESULTS, OutsideLoad, cache_dir, closed_loop, machine
 from bench.modes_interleaved import SteadyLoop, pooled, reset_window, window_steps
@@ -441,10 +440,10 @@ def main(argv=None) -> int:
     data = {"machine": machine(), "pair": args.pair, "policy": pair.policy, "policy_args": pair.policy_args,
             "tokens": args.tokens, "requests_per_client": args.requests_per_client, "staggered": args.stagger,
             "min_requests": args.min_requests, "sweep_at": sorted(sweep_at) if sweep_at else None,
-            "delayed_thresholds": args.delayed_thresholds,
+            "delayed_thresholds": args.delayed_thresholds, "quiet_gate_cores": gate,
             "interleave": {"window_s": args.window, "settle_s": args.settle, "window_lives": args.window_lives,
-                           "window_requests": args.window_requests,
-                           "settle_lives": args.settle_lives, "cycles": args.rounds} if args.interleave else None, "quiet_gate_cores": gate,
+                           "window_requests": args.window_requests, "settle_lives": args.settle_lives,
+                           "cycles": args.rounds} if args.interleave else None,
             "profile": {**prof.describe(), "outside_load_cores": prof_load},
             "template_P": tpl_P.tolist(), "results": results, "predictions": predictions, "sweep": sweeps,
             "summary": summary}
