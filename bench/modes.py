@@ -241,15 +241,33 @@ def fresh_prompt(i: int, vocab: int) -> list[int]:
     return W.short_prompts(seed=1_000_003 + i, count=1, vocab=min(vocab, W.VOCAB))[0]
 
 
+def cycle_prompt(cycle: int, i: int, vocab: int) -> list[int]:
+    """Request i of every window in cycle `cycle` of an interleaved run (cycle -1: the fitting
+    windows): drawn as bench.workloads.short_prompts draws them, apart from fresh_prompt's."""
+    return W.short_prompts(seed=7_000_003 * (cycle + 2) + i, count=1, vocab=min(vocab, W.VOCAB))[0]
+
+
+def interleaved_policy_args(pair) -> dict:
+    """The pair's policy arguments for an interleaved run: the random policy's coins drawn from
+    the prompt (not the request's uuid), so a cycle's windows, serving the same prompts, route
+    them alike (rstitch already routes a prompt one way: greedy decoding and its entropy rule)."""
+    return {**pair.policy_args, "key": "prompt"} if pair.policy == "random" else dict(pair.policy_args)
+
+
 async def interleaved_at(pair, n: int, args, prof, tpl_P, tpl_C, sweep: bool) -> tuple[dict, dict, dict]:
     """Every schedule at N on one router under one closed loop (bench.modes_interleaved): a first
     cycle of sync and eager windows fits the model, which names what delayed runs; then
-    `args.rounds` cycles of sync, eager, delayed (and with `sweep` every feasible large threshold,
-    the small one B*'s), each cycle in rotated order. -> (results at N, prediction, sweep)."""
+    `args.rounds` cycles of sync, eager, delayed (and with `sweep`, in the first `args.sweep_rounds`
+    of them, every feasible large threshold, the small one B*'s), each cycle in rotated order. Every window of a cycle serves that cycle's
+    prompts (`cycle_prompt`), in the same order, on a router without prefix caching (fresh random
+    prompts share no prefix, so it spares no work here, and a prompt served again is computed
+    again). -> (results at N, prediction, sweep)."""
     names = prof.names
     ones = dict.fromkeys(names, 1)
-    models = {"small": str(pair.small), "large": str(pair.large)}
-    async with Router(models, policy=pair.policy, policy_args=pair.policy_args, entry="small", mode="delayed",
+    no_prefix = {"enable_prefix_caching": False}
+    models = {"small": {"path": str(pair.small), "engine_config": no_prefix},
+              "large": {"path": str(pair.large), "engine_config": no_prefix}}
+    async with Router(models, policy=pair.policy, policy_args=interleaved_policy_args(pair), entry="small", mode="delayed",
                       thresholds=ones, kv_memory_gb=1.0, max_concurrency=max(16, n)) as r:
         async def send(p):
             async for ev in r.stream(p, max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True):
@@ -261,7 +279,8 @@ async def interleaved_at(pair, n: int, args, prof, tpl_P, tpl_C, sweep: bool) ->
         with OutsideLoad() as outside:
             async with SteadyLoop(r, n, lambda i: fresh_prompt(i, pair.vocab), args.tokens, first) as loop:
                 await loop.ramped.wait()  # every client past its staggered first request
-                fit = [await loop.measure(m, ones, *periods) for m in ("sync", "eager")]
+                in_cycle = lambda c: lambda i: cycle_prompt(c, i, pair.vocab)  # noqa: E731
+                fit = [await loop.measure(m, ones, *periods, prompts=in_cycle(-1)) for m in ("sync", "eager")]
                 pred = await asyncio.to_thread(model_at, prof, fit, tpl_P, tpl_C, n)
                 sched, th = delayed_choice(pred, names)
                 b0 = pred["best_thresholds"][0]  # the sweep runs B*'s small threshold, whatever delayed runs
@@ -270,8 +289,9 @@ async def interleaved_at(pair, n: int, args, prof, tpl_P, tpl_C, sweep: bool) ->
                           for b1 in range(1, n - b0 + 2)] if sweep else []  # feasible: (b0-1) + (b1-1) < n
                 windows: dict[str, list[dict]] = {key: [] for key, _, _ in modes + points}
                 for rnd in tqdm(range(args.rounds), desc=f"N={n} cycles", leave=False):
-                    for key, mode, b in rotated(modes, rnd) + rotated(points, rnd):
-                        windows[key].append(await loop.measure(mode, b, *periods))
+                    swept = rotated(points, rnd) if rnd < (args.sweep_rounds or args.rounds) else []
+                    for key, mode, b in rotated(modes, rnd) + swept:
+                        windows[key].append(await loop.measure(mode, b, *periods, prompts=in_cycle(rnd)))
     first_pred = pred
     seen = fit + windows["sync"] + windows["eager"]  # never a delayed window
     pred = await asyncio.to_thread(model_at, prof, seen, tpl_P, tpl_C, n)
@@ -366,6 +386,8 @@ def main(argv=None) -> int:
                          "and report each one's median run (at N = 1 the three are one schedule, and runs of it "
                          "differ by 5-8 %%)")
     ap.add_argument("--sweep", action="store_true", help="also run delayed at every large threshold 1..N")
+    ap.add_argument("--sweep-rounds", type=int, default=None, metavar="K",
+                    help="with --interleave --sweep: the sweep's points in the first K cycles only (default: every cycle)")
     ap.add_argument("--sweep-at", default=None, metavar="N,...",
                     help="with --sweep: only at these N (default: every N > 1); a sweep at N is N points x --rounds runs")
     ap.add_argument("--no-stagger", dest="stagger", action="store_false",
@@ -397,6 +419,8 @@ def main(argv=None) -> int:
         ap.error(f"modes must be sync, eager, delayed (got {unknown}) and N >= 1")
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.sweep_rounds is not None and not args.interleave:
+        ap.error("--sweep-rounds applies to --interleave (separate runs sweep --rounds times)")
     if args.interleave:
         if set(modes) != {"sync", "eager", "delayed"} or args.delayed_thresholds != "model" or args.quiet_gate is not None:
             ap.error("--interleave measures sync, eager and delayed (model thresholds) together; "
@@ -404,6 +428,8 @@ def main(argv=None) -> int:
         if args.requests_per_client is not None or args.min_requests is not None:
             ap.error("--requests-per-client and --min-requests size separate runs; --interleave measures "
                      "--rounds cycles of --window s windows instead")
+        if args.sweep_rounds is not None and not 1 <= args.sweep_rounds <= args.rounds:
+            ap.error(f"--sweep-rounds must be between 1 and --rounds ({args.rounds}), got {args.sweep_rounds}")
         if args.window <= 0 or args.window_requests < 1 or min(args.settle, args.window_lives, args.settle_lives) < 0:
             ap.error("--window must be > 0, --window-requests >= 1, and --settle, --window-lives, --settle-lives >= 0")
     args.requests_per_client = 2 if args.requests_per_client is None else args.requests_per_client
@@ -437,13 +463,16 @@ def main(argv=None) -> int:
         print(json.dumps({"N": n, **summary[n]}, default=float))
         for key in [k for k in results if k.endswith(f"@{n}")]:
             results[key].pop("spans", None)  # (thousands of spans a run: used above, not kept)
-    data = {"machine": machine(), "pair": args.pair, "policy": pair.policy, "policy_args": pair.policy_args,
+    data = {"machine": machine(), "pair": args.pair, "policy": pair.policy,
+            "policy_args": interleaved_policy_args(pair) if args.interleave else pair.policy_args,
             "tokens": args.tokens, "requests_per_client": args.requests_per_client, "staggered": args.stagger,
             "min_requests": args.min_requests, "sweep_at": sorted(sweep_at) if sweep_at else None,
             "delayed_thresholds": args.delayed_thresholds, "quiet_gate_cores": gate,
             "interleave": {"window_s": args.window, "settle_s": args.settle, "window_lives": args.window_lives,
                            "window_requests": args.window_requests, "settle_lives": args.settle_lives,
-                           "cycles": args.rounds} if args.interleave else None,
+                           "cycles": args.rounds, "sweep_cycles": args.sweep_rounds or args.rounds,
+                           "prompts": "each cycle's windows the same (cycle_prompt)",
+                           "prefix_caching": False} if args.interleave else None,
             "profile": {**prof.describe(), "outside_load_cores": prof_load},
             "template_P": tpl_P.tolist(), "results": results, "predictions": predictions, "sweep": sweeps,
             "summary": summary}

@@ -34,7 +34,9 @@ class SteadyLoop:
     Request i's prompt is prompt_at(i), a new one every request: a loop that cycled through 64
     prompts hit the prefix cache from its 65th request on, and its windows' throughput jumped
     from ~85 to ~130 tok/s (cpu-tiny, N = 4, eager; tokens computed per token streamed 2.5 -> 1.05),
-    a change of workload in mid-run that separate cold runs never see."""
+    a change of workload in mid-run that separate cold runs never see. `measure(prompts=...)`
+    restarts the numbering on another list, so that windows can serve the same prompts (on a router
+    without prefix caching, so a prompt served twice is computed twice)."""
 
     def __init__(self, router: Router, n: int, prompt_at: Callable[[int], list[int]], tokens: int, first_tokens=None):
         self.router, self.n, self.prompt_at, self.tokens = router, n, prompt_at, tokens
@@ -111,8 +113,13 @@ class SteadyLoop:
         """Mean seconds of a request's life lately (0 before any full-length one ended)."""
         return sum(self.lifetimes) / len(self.lifetimes) if self.lifetimes else 0.0
 
+    def restart_prompts(self, prompt_at: Callable[[int], list[int]]) -> None:
+        """The clients' next requests ask prompt_at(0), prompt_at(1), ...; requests in flight keep theirs."""
+        self.prompt_at, self._next = prompt_at, 0
+
     async def measure(self, schedule: str, thresholds: dict[str, int], settle: float, window: float,
-                      settle_lives: float = 0.0, window_lives: float = 0.0, window_requests: int = 1) -> dict:
+                      settle_lives: float = 0.0, window_lives: float = 0.0, window_requests: int = 1,
+                      prompts: Callable[[int], list[int]] | None = None) -> dict:
         """Switch the router to `schedule`, let the loop settle under it, then measure at least
         `window` seconds, from one answered request to another: one record with the keys of a
         `bench.modes` run (tok_s, routing, spans, ...). A window cut at arbitrary instants reads
@@ -126,11 +133,19 @@ class SteadyLoop:
         large model per token streamed, sync's and eager's 2.58), and the schedule change itself
         takes about a life to re-form them. And it holds at least `window_requests` answers: how
         much of a request the large model writes depends on its prompt, and at N = 1 windows of about
-        two requests read 13.2-18.6 tok/s for what is one schedule there (smollm2)."""
+        two requests read 13.2-18.6 tok/s for what is one schedule there (smollm2).
+
+        `prompts`: the requests sent from the end of the settle on ask prompts(0), prompts(1), ...
+        (`restart_prompts`), so windows given one list serve the same requests in the same order
+        (at N = 1 exactly: the window opens on the answer before prompts(0) is sent). How much of a
+        request the large model writes depends on its prompt: smollm2's N = 1 windows of six
+        requests each, all three schedules one there, read 14.5-17.8 tok/s with a new prompt each."""
         r = self.router
         r.set_schedule(schedule, thresholds)
         await asyncio.sleep(max(settle, settle_lives * self.lifetime()))
         self.check()
+        if prompts is not None:
+            self.restart_prompts(prompts)
         await self.next_finish()
         reset_window(r)
         t0, s0, f0, c0 = time.perf_counter(), self.streamed, self.flight_now(), tokens_computed(r)

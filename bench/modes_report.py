@@ -20,7 +20,9 @@ def markdown(data: dict) -> str:
     how = (f"interleaved on one router and one closed loop: {il['cycles']} cycles, each schedule's window at "
            f"least {il['window_s']:g} s, {il.get('window_lives', 0):g} request lifetimes and "
            f"{il.get('window_requests', 1)} answers, after at least {il['settle_s']:g} s and "
-           f"{il.get('settle_lives', 0):g} lifetimes under it" if il else
+           f"{il.get('settle_lives', 0):g} lifetimes under it"
+           + ("; every window of a cycle serves the same prompts, without prefix caching" if il.get("prompts") else "")
+           if il else
            f"{data['requests_per_client']} requests per client (at least {data.get('min_requests', 0)} a run"
            + ("; staggered start: N more requests, client k's first with (k + 1) / N of the tokens"
               if data.get("staggered") else "") + ")")

@@ -2,11 +2,17 @@
 
 The small model (0) hands a step to the large model (1) with probability p; its own token is
 discarded, the large model generates that position, commits it and hands straight back.
-Seeded per request, so a request's routing does not depend on what it is batched with.
+Seeded per request, so a request's routing does not depend on what it is batched with:
+`key="request"` (the default) draws each request's coins from its request id, a fresh uuid, so
+no two requests route alike, even two with one prompt; `key="prompt"` draws them from the prompt,
+so a prompt routes the same way in every request and every run, as a router network's decisions
+would. A benchmark that compares schedules on the same prompts (bench.modes --interleave) gets the
+same work in each then, not a new draw of the coins.
 """
 from __future__ import annotations
 
 import zlib
+from typing import Literal
 
 import numpy as np
 
@@ -17,16 +23,21 @@ class RandomPolicy(SmallLargePolicy):
     name = "random"
     reads_logits = False  # a coin, not the model's distribution
 
-    def __init__(self, p: float = 0.35, seed: int = 0):
+    def __init__(self, p: float = 0.35, seed: int = 0, key: Literal["request", "prompt"] = "request"):
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"random policy: p must be in [0, 1], got {p!r}")
+        if key not in ("request", "prompt"):
+            raise ValueError(f"random policy: key must be 'request' or 'prompt', got {key!r}")
         self.p = self.prior_p = float(p)
         self.seed = int(seed)
+        self.key = key
 
     def _rng(self, req) -> np.random.Generator:
         rng = req.state.get("rng")
         if rng is None:
-            rng = req.state["rng"] = np.random.default_rng([self.seed, zlib.crc32(req.rid.encode())])
+            who = (req.rid.encode() if self.key == "request" else
+                   np.asarray(req.token_ids[:req.num_prompt_tokens], dtype=np.int64).tobytes())
+            rng = req.state["rng"] = np.random.default_rng([self.seed, zlib.crc32(who)])
         return rng
 
     def defer(self, result):

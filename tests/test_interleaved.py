@@ -88,3 +88,38 @@ async def test_a_window_never_goes_on_without_a_client_that_died():
                 for _ in range(20):
                     await loop.measure("eager", {"small": 1}, 0.01, 0.05)
         assert len((await r.generate([5, 6], max_tokens=3, ignore_eos=True)).token_ids) == 3  # the router serves on
+
+
+async def test_windows_given_one_prompt_list_serve_the_same_requests():
+    """At N = 1 a window opens on the answer before prompts(0) is sent, so two windows given one
+    list hold the same requests; with the random policy keyed on the prompt they route alike."""
+    asked: dict[str, list[int]] = {"sync": [], "eager": [], "loop": []}
+
+    def prompts_for(key):
+        def at(i):
+            asked[key].append(i)
+            return [10 + i, 2, 3, 4]
+        return at
+
+    args = dict(policy="random", policy_args={"p": 0.35, "seed": 1, "key": "prompt"})
+    async with Router(SIM, **args, mode="delayed", thresholds={"small": 1, "large": 1}, max_concurrency=2) as r:
+        async with SteadyLoop(r, 1, prompts_for("loop"), 8) as loop:
+            await loop.ramped.wait()
+            w = {m: await loop.measure(m, {"small": 1}, 0.02, 0.001, window_requests=5, prompts=prompts_for(m))
+                 for m in ("sync", "eager")}
+    for m, x in w.items():
+        assert x["requests"] == 5 and x["tokens"] == 5 * 8  # requests prompts(0..4), whole
+        assert asked[m] == list(range(len(asked[m]))) and len(asked[m]) >= 5  # from 0, in order, once each
+    assert w["sync"]["handoffs"] == w["eager"]["handoffs"] and w["sync"]["handoffs"]["small->large"] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--interleave", "--rounds", "2", "--sweep-rounds", "3"], "--sweep-rounds must be between 1 and --rounds (2), got 3"),
+    (["--sweep-rounds", "1"], "--sweep-rounds applies to --interleave"),
+    (["--interleave", "--requests-per-client", "3"], "--requests-per-client and --min-requests size separate runs"),
+])
+def test_modes_refuses_options_that_do_not_fit_together(argv, message, capsys):
+    from bench.modes import main
+    with pytest.raises(SystemExit) as e:
+        main(argv)  # refused before any model is loaded
+    assert e.value.code == 2 and message in capsys.readouterr().err

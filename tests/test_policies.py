@@ -91,6 +91,26 @@ async def check_equivalence(path, ref, policy, args, names=("small", "large")):
 
 
 # -- unit: route and send on hand-made inputs -------------------------------------------------------
+def test_random_coins_follow_the_request_or_the_prompt():
+    from policies import RandomPolicy
+
+    def coins(pol, rid, tokens, n_prompt):
+        # 64 steps of one request; its generator is seeded on the first from what `key` names
+        reqs = [view(rid=rid, tokens=tokens, n_prompt=n_prompt, state={})]
+        return [pol.defer(StepResult(0, torch.zeros(1, 4), torch.zeros(1), None, reqs))[0] for _ in range(64)]
+
+    by_prompt = bound(RandomPolicy(0.5, seed=3, key="prompt"))
+    a = coins(by_prompt, "r1", [5, 6, 7, 8], 3)
+    assert a == coins(by_prompt, "r2", [5, 6, 7, 9, 9], 3)  # same prompt, other request and output: same coins
+    assert a != coins(by_prompt, "r1", [5, 6, 8, 8], 3)  # another prompt
+    assert a != coins(bound(RandomPolicy(0.5, seed=4, key="prompt")), "r1", [5, 6, 7, 8], 3)  # another seed
+    by_request = bound(RandomPolicy(0.5, seed=3))
+    assert coins(by_request, "r1", [5, 6, 7, 8], 3) != coins(by_request, "r2", [5, 6, 7, 8], 3)
+    assert coins(by_request, "r1", [5, 6, 7, 8], 3) == coins(by_request, "r1", [1, 2], 1)
+    with pytest.raises(ValueError, match="key must be 'request' or 'prompt', got 'rid'"):
+        RandomPolicy(0.5, key="rid")
+
+
 def test_r2r_route_and_send():
     torch.manual_seed(0)
     V, H = 150, 16
