@@ -33,6 +33,7 @@ from tqdm import tqdm
 from aiorouter import Router
 from aiorouter.tuning import SystemSpec, solve_grid
 from bench.common import RESULTS, write_json
+from bench.modes import rotated
 
 P, L0, L1 = 0.35, 6.0, 27.9
 
@@ -112,8 +113,7 @@ def main(argv=None) -> int:
             pred_nominal = solve_grid(nominal, n, Bs)
             runs: dict[int, list[float]] = {b1: [] for _, b1 in Bs}
             for rep in range(args.repeats):
-                order = [b1 for _, b1 in Bs]
-                for b1 in order[rep % n:] + order[:rep % n]:  # pass rep starts rep points later
+                for b1 in rotated(list(runs), rep):  # pass rep starts rep points later
                     runs[b1].append(asyncio.run(measure(n, b1, args.seconds, args.max_tokens,
                                                         seed=n * 100 + b1 + 100_000 * rep)))
                     bar.update(1)

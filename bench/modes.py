@@ -258,10 +258,10 @@ async def interleaved_at(pair, n: int, args, prof, tpl_P, tpl_C, sweep: bool) ->
     """Every schedule at N on one router under one closed loop (bench.modes_interleaved): a first
     cycle of sync and eager windows fits the model, which names what delayed runs; then
     `args.rounds` cycles of sync, eager, delayed (and with `sweep`, in the first `args.sweep_rounds`
-    of them, every feasible large threshold, the small one B*'s), each cycle in rotated order. Every window of a cycle serves that cycle's
-    prompts (`cycle_prompt`), in the same order, on a router without prefix caching (fresh random
-    prompts share no prefix, so it spares no work here, and a prompt served again is computed
-    again). -> (results at N, prediction, sweep)."""
+    of them, every feasible large threshold, the small one B*'s), each cycle in rotated order.
+    Every window of a cycle serves that cycle's prompts (`cycle_prompt`), in the same order, on a
+    router without prefix caching (fresh random prompts share no prefix, so it spares no work
+    here, and a prompt served again is computed again). -> (results at N, prediction, sweep)."""
     names = prof.names
     ones = dict.fromkeys(names, 1)
     no_prefix = {"enable_prefix_caching": False}

@@ -16,6 +16,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 from aiorouter import Router
 from bench import workloads as W
@@ -59,19 +60,11 @@ def main(argv=None) -> int:
     for name in names:
         pair = load_pair(name)  # its models built or found in the real cache first
         runs = {}
-        with tempfile.TemporaryDirectory() as cache:
-            # the router keeps contention measurements under $AIOROUTER_CACHE/contention
-            before = os.environ.get("AIOROUTER_CACHE")
-            os.environ["AIOROUTER_CACHE"] = cache
-            try:
-                for key in ("contention_measured", "contention_cached"):
-                    runs[key] = asyncio.run(start_once(pair, args.cap))
-                    print(name, key, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in runs[key].items()})
-            finally:
-                if before is None:
-                    os.environ.pop("AIOROUTER_CACHE")
-                else:
-                    os.environ["AIOROUTER_CACHE"] = before
+        # the router keeps contention measurements under $AIOROUTER_CACHE/contention
+        with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, {"AIOROUTER_CACHE": cache}):
+            for key in ("contention_measured", "contention_cached"):
+                runs[key] = asyncio.run(start_once(pair, args.cap))
+                print(name, key, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in runs[key].items()})
             if not any(Path(cache, "contention").glob("*")):
                 raise RuntimeError("the router wrote no contention cache: the second start measured again")
         out["pairs"][name] = runs
