@@ -17,8 +17,9 @@ Inputs of a prediction, and where each comes from:
   (`aiorouter.tuning.served`): the start-up contention profile steps both models back to back
   and misses most of what the light model loses in served bursts.
 The model never sees a measured throughput. The start-up prediction sees no measured forward
-time; the served one sees the forwards of the eager and sync runs, not of the delayed runs it
-predicts.
+time. The served one sees the forwards of the eager and sync runs; with `bench.modes
+--interleave`, also those of delayed's windows (as the runtime's re-solves see whatever it
+served), with the fit on sync and eager alone reported beside it.
 """
 from __future__ import annotations
 

@@ -110,6 +110,23 @@ def test_summary_reads_off_the_targets():
     assert s["sweep_prediction_error"]["1,1"] == pytest.approx(90 / 96 - 1)
     assert predicted_for(pred, "delayed", (1, 2)) == 100.0 and predicted_for(pred, "sync", None) == 80.0
     assert "delayed_over_best_by_round" not in s  # no rounds recorded
+    assert "sync_eager_fit" not in s  # separate runs fit on sync and eager only
+
+
+def test_summary_reports_the_fit_on_sync_and_eager_alone_beside_the_final_one():
+    alone = {"by_thresholds": {"1,1": 90.0, "1,2": 120.0}, "sync_tok_s": 70.0, "eager_tok_s": 90.0}
+    pred = {"best_thresholds": [1, 2], "by_thresholds": {"1,1": 95.0, "1,2": 99.0}, "sync_tok_s": 80.0,
+            "eager_tok_s": 95.0, "startup": {"best_thresholds": [1, 2]}, "sync_eager_fit": alone}
+    results = {f"{m}@2": {"tok_s": v, "steady_tok_s": v, "predicted_tok_s": p, "startup_predicted_tok_s": p,
+                          "sync_eager_fit_predicted_tok_s": a}
+               for m, v, p, a in (("sync", 80.0, 80.0, 70.0), ("eager", 100.0, 95.0, 90.0), ("delayed", 100.0, 99.0, 120.0))}
+    sweep = {"1,1": {"tok_s": 100.0, "steady_tok_s": 100.0}, "1,2": {"tok_s": 96.0, "steady_tok_s": 96.0}}
+    s = summarise(2, results, pred, sweep)
+    assert s["prediction_error"]["delayed"] == pytest.approx(-0.01)
+    fit = s["sync_eager_fit"]
+    assert fit["prediction_error"]["sync"] == pytest.approx(70 / 80 - 1)
+    assert fit["best_B_predicted"] == "1,2" and fit["measured_loss_at_predicted_best"] == pytest.approx(0.04)
+    assert fit["sweep_prediction_error"]["1,2"] == pytest.approx(120 / 96 - 1)
 
 
 def test_summary_pairs_the_modes_round_by_round():

@@ -117,9 +117,49 @@ async def test_windows_given_one_prompt_list_serve_the_same_requests():
     (["--interleave", "--rounds", "2", "--sweep-rounds", "3"], "--sweep-rounds must be between 1 and --rounds (2), got 3"),
     (["--sweep-rounds", "1"], "--sweep-rounds applies to --interleave"),
     (["--interleave", "--requests-per-client", "3"], "--requests-per-client and --min-requests size separate runs"),
+    (["--confirm", "2", "--sweep"], "--confirm applies to --interleave --sweep"),
+    (["--interleave", "--confirm", "2"], "--confirm K >= 0 needs --sweep"),
+    (["--interleave", "--sweep", "--confirm", "1", "--confirm-margin", "1.5"], "--confirm-margin is a share in [0, 1)"),
 ])
 def test_modes_refuses_options_that_do_not_fit_together(argv, message, capsys):
     from bench.modes import main
     with pytest.raises(SystemExit) as e:
         main(argv)  # refused before any model is loaded
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def _window(tok_s: float, seconds: float = 1.0) -> dict:
+    """A window record as pooled() reads it: one model, tok_s over `seconds`."""
+    m = {"small": 0}
+    return {"tokens": tok_s * seconds, "seconds": seconds, "steps": {"small": 1}, "requests": 1, "tok_s": tok_s,
+            "mean_in_flight": 1.0, "tokens_computed": m, "request_steps": m, "step_time_sum": {"small": 0.0},
+            "overhead_ms": {"small": {"loop": 0.0, "hop": 0.0, "steps": 0}}, "window_steps": {"small": None},
+            "handoffs": {}, "spans": {"small": []}, "schedule": "delayed", "thresholds": None}
+
+
+def test_a_sweep_point_pools_the_delayed_windows_that_ran_its_schedule():
+    from bench.modes import point_windows
+    names = ["small", "large"]
+    points = [("1,1", "delayed", {}), ("1,2", "delayed", {})]
+    w = {"1,1": [_window(10)], "1,2": [_window(20)], "delayed": [_window(30), _window(40)]}
+    got = point_windows(w, points, "delayed", {"small": 1, "large": 2}, names)
+    assert [x["tok_s"] for x in got["1,2"]] == [20, 30, 40] and [x["tok_s"] for x in got["1,1"]] == [10]
+    # delayed that ran eager's schedule is not the sweep's (1, 1): its windows stay its own
+    got = point_windows(w, points, "eager", {"small": 1, "large": 1}, names)
+    assert [x["tok_s"] for x in got["1,1"]] == [10] and [x["tok_s"] for x in got["1,2"]] == [20]
+
+
+def test_contenders_are_the_points_near_the_measured_top_and_the_predicted_best():
+    from bench.modes import contenders
+    by_point = {"1,1": [_window(100)], "1,2": [_window(95), _window(93)], "1,3": [_window(90)], "1,4": [_window(80)]}
+    # the chain's best among the points swept (its overall best, (2, 3) here, was not swept)
+    pred = {"best_thresholds": [2, 3], "by_thresholds": {"1,1": 1.0, "1,2": 1.1, "1,3": 1.2, "1,4": 1.3, "2,3": 2.0}}
+    assert contenders(by_point, pred, 0.06) == ["1,1", "1,2", "1,4"]  # 94 within 6 % of 100, 90 not
+    pred["by_thresholds"]["1,2"] = 5.0
+    assert contenders(by_point, pred, 0.11) == ["1,1", "1,2", "1,3"]
+
+
+def test_the_sweep_cycles_are_spread_over_the_run():
+    from bench.modes import spread
+    assert spread(3, 6) == {0, 2, 4} and spread(3, 8) == {0, 2, 5} and spread(6, 6) == set(range(6))
+    assert spread(1, 6) == {0}
