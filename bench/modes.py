@@ -203,7 +203,7 @@ def spread(k: int, rounds: int) -> set[int]:
     """k of cycles 0..rounds-1, evenly spaced from the first: where the sweep's points run. The
     first k cycles instead put the sweep in the run's first half and the modes' last windows
     after it, and the machine drifts in between (cpu-tiny, 2026-12-03, N = 16: a large-model step
-    at 0.8x the start-up profile in the first cycles, 1.2-1.7x in the last)."""
+    at 0.8x the start-up profile in the first cycles, 1.0-1.7x in the last)."""
     return {(i * rounds) // k for i in range(k)}
 
 
@@ -319,15 +319,15 @@ async def interleaved_at(pair, n: int, args, prof, tpl_P, tpl_C, sweep: bool) ->
                 first_pred = pred
                 # The final prediction is fitted on the measured cycles' forwards, never on the first
                 # cycle's (that one only picks what delayed runs): the machine drifts by a quarter
-                # within minutes (cpu-tiny, 2026-12-03, N = 4: the large model's steps at 0.91-1.01x
+                # within minutes (cpu-tiny, 2026-12-03, N = 4: the large model's steps at 0.91-1.04x
                 # the start-up profile in the first cycles, 0.69-0.77x in the last), and the first
                 # cycle's slower forwards put the sync and eager predictions 9-12 % under the
                 # windows they were compared with, against 2-4 % fitted on those cycles alone.
                 # Every schedule the router served counts, delayed's too, as the runtime's own
                 # re-solves fit whatever it serves: sync and eager keep the small model's steps
                 # overlapped with the large one's, so they cannot tell contention from a slower
-                # model; delayed's bursts can (its small-model steps at 0.9-1.0x the profile
-                # where they overlap nothing, 1.2-1.5x where they do). The fit on sync and eager
+                # model; delayed's bursts can (its small-model steps at 0.8-1.1x the profile
+                # where they overlap nothing, 1.0-1.5x where they do). The fit on sync and eager
                 # alone is kept beside it ("sync_eager_fit").
                 served = windows["sync"] + windows["eager"]
                 alone = await asyncio.to_thread(model_at, prof, served, tpl_P, tpl_C, n)
@@ -367,10 +367,11 @@ def point_windows(windows: dict[str, list[dict]], points: list, sched: str, th: 
 
 def contenders(by_point: dict[str, list[dict]], pred: dict, margin: float) -> list[str]:
     """The sweep points worth measuring again: those within `margin` of the best measured so far,
-    and the one the chain predicts best among them (as `summarise` reads it). Why: the measured best of N noisy points is the luckiest
-    of them; at 2-3 windows a point (cpu-tiny, N = 4: one schedule read 131 and 141 tok/s as a
-    sweep point and as delayed), the points near the top are told apart by their noise, and the
-    predicted best's shortfall against the measured best read up to ~14 % that was chance."""
+    and the one the chain predicts best among them (as `summarise` reads it). Why: the measured
+    best of N noisy points is the luckiest of them; at 2-3 windows a point (cpu-tiny, N = 4: one
+    schedule read 131 and 141 tok/s as a sweep point and as delayed), the points near the top are
+    told apart by their noise, and the predicted best's shortfall against the measured best read
+    up to ~14 % that was chance."""
     rate = {k: pooled(w)["steady_tok_s"] for k, w in by_point.items() if w}
     top = max(rate.values())
     keep = [k for k, v in rate.items() if v >= (1 - margin) * top]

@@ -47,12 +47,15 @@ def markdown(data: dict) -> str:
                    f"{'-' if ratio is None else f'**{ratio:.3f}**'}"
                    + (f" (by round {summ[n]['delayed_over_best_by_round']:.3f})" if "delayed_over_best_by_round" in summ[n] else "")
                    + f" | {loads} |")
+    alone = all("sync_eager_fit" in summ[n] for n in pred)  # runs before it had the sync/eager fit only
     out += ["", ("Every window of the schedule pooled (tokens over seconds)" if il else
                  "Steady window (N in flight" + (", from the end of the last first request" if data.get("staggered") else "")
                  + "), tok/s (median of rounds)")
-            + ", and the chain's prediction: served (profile refitted on the sync and eager "
-            + ("windows' forwards, every cycle's" if il else "runs' forwards, every round's")
-            + ") / start-up profile only:", "",
+            + ", and the chain's prediction: served (profile refitted on the "
+            + (("measured cycles' sync, eager and delayed windows' forwards) / refitted on their sync and eager "
+                "windows' alone" if alone else "sync and eager windows' forwards, every cycle's)") if il else
+               "sync and eager runs' forwards, every round's)")
+            + " / start-up profile only:", "",
             "| N | sync | eager | delayed | mean in flight (whole run) | served fit: scale/slope scale, kappa (small; large) |",
             "|---|---|---|---|---|---|"]
     for n in sorted(pred, key=int):
@@ -61,7 +64,8 @@ def markdown(data: dict) -> str:
             x = res.get(f"{m}@{n}")
             cells.append("-" if x is None else
                          f"{x['steady_tok_s']:.1f} ({_pct(summ[n]['prediction_error'][m])} / "
-                         f"{_pct(summ[n]['startup_prediction_error'][m])})")
+                         + (f"{_pct(summ[n]['sync_eager_fit']['prediction_error'][m])} / " if alone else "")
+                         + f"{_pct(summ[n]['startup_prediction_error'][m])})")
         fl = ", ".join(f"{res[f'{m}@{n}']['mean_in_flight']:.2f}" for m in ("sync", "eager", "delayed")
                        if f"{m}@{n}" in res)
         f = pred[n].get("served_fit") or {}
@@ -71,15 +75,20 @@ def markdown(data: dict) -> str:
         out.append(f"| {n} | {' | '.join(cells)} | {fl} | {fit} |")
     if sweep:
         out += ["", "| N | predicted best B (start-up) | measured best B, steady (whole run) | steady loss at the "
-                "predicted best (whole run) | served prediction error over the sweep (min / max) |",
-                "|---|---|---|---|---|"]
+                "predicted best (whole run) | served prediction error over the sweep (min / max) |"
+                + (" sync/eager fit: predicted best B, loss, error (min / max) |" if alone else ""),
+                "|---|---|---|---|---|" + ("---|" if alone else "")]
         for n in sorted(sweep, key=int):
             s = summ[n]
             errs = list(s["sweep_prediction_error"].values())
             out.append(f"| {n} | {s['best_B_predicted']} ({s['best_B_startup']}) | {s['best_B_measured']} "
                        f"({s['whole_run_best_B_measured']}) | {_pct(s['measured_loss_at_predicted_best'])} "
                        f"({_pct(s['whole_run_measured_loss_at_predicted_best'])}) | "
-                       f"{_pct(min(errs))} / {_pct(max(errs))} |")
+                       f"{_pct(min(errs))} / {_pct(max(errs))} |"
+                       + (f" {s['sync_eager_fit']['best_B_predicted']}, "
+                          f"{_pct(s['sync_eager_fit']['measured_loss_at_predicted_best'])}, "
+                          f"{_pct(min(s['sync_eager_fit']['sweep_prediction_error'].values()))} / "
+                          f"{_pct(max(s['sync_eager_fit']['sweep_prediction_error'].values()))} |" if alone else ""))
     return "\n".join(out)
 
 

@@ -9,8 +9,9 @@ Two tables per N, per model:
   moved under them (cpu-tiny, 2026-12-03: one delayed schedule's three windows read 1.09x, 1.32x
   and 2.07x its profiled cost);
 - each run's and sweep point's mean step time against the served refit (`bench.modes_model.
-  served_profile`, fitted on the sync and eager runs at that N, as `bench.modes` fits it), with
-  the refit's contention applied to each step's measured overlap.
+  served_profile`, fitted on the sync, eager and delayed runs at that N, as `bench.modes
+  --interleave` fits its final prediction; the sweep points' other than delayed's own are never
+  in it), with the refit's contention applied to each step's measured overlap.
 Windows are told apart by gaps: a window's spans end where another schedule's window (or a settle)
 begins, and `--gap` seconds without a forward of the schedule separates two of its windows.
 """
@@ -68,7 +69,7 @@ def report(out_dir: Path, gap: float) -> str:
                 ws = windows_of(run[name], gap)
                 lines.append(f"| {key} | {name} | {' '.join(f'{profile_ratio(w, costs[i]):.2f}x' for w in ws)} | "
                              f"{np.mean([w[:, 2].mean() for w in ws]):.1f} |")
-        fitted = [k for k in (f"sync@{n}", f"eager@{n}") if k in runs]
+        fitted = [k for k in (f"sync@{n}", f"eager@{n}", f"delayed@{n}") if k in runs]
         if not fitted:
             continue
         # as bench.modes_model.served_profile fits it (the start-up contention as kappa's prior)
