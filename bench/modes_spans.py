@@ -25,17 +25,21 @@ from pathlib import Path
 import numpy as np
 
 from aiorouter.tuning import Contention, StepCost
-from aiorouter.tuning.served import StepSpan, fit_served, overlap_shares
+from aiorouter.tuning.served import ServedFit, StepSpan, fit_served, overlap_shares
 from engines.profile import ContentionSample
 
 NAMES = ("small", "large")
 
 
-def windows_of(spans: list[list[float]], gap: float) -> list[np.ndarray]:
-    """[k] arrays (n, 4) of (start, end, batch, tokens), split where no forward ran for `gap` s."""
+def windows_of(spans: list[list[float]], gap: float, every: list[list[float]] | None = None) -> list[np.ndarray]:
+    """[k] arrays (n, 4) of (start, end, batch, tokens), split where no forward ran for `gap` s;
+    with `every` (all models' spans of the run), where none of them ran one: a light model can
+    idle for seconds inside a window while the heavy one writes."""
     s = np.array(sorted(spans), dtype=float).reshape(-1, 4)
-    cuts = np.flatnonzero(s[1:, 0] - s[:-1, 1] > gap) + 1
-    return [w for w in np.split(s, cuts) if len(w)]
+    a = np.array(sorted(every if every is not None else spans), dtype=float).reshape(-1, 4)
+    ends = np.maximum.accumulate(a[:, 1])  # (spans of two models overlap: the latest end so far)
+    starts = a[1:, 0][a[1:, 0] - ends[:-1] > gap]  # each window's first start after the first
+    return [w for w in np.split(s, np.searchsorted(s[:, 0], starts)) if len(w)]
 
 
 def profile_ratio(w: np.ndarray, cost: StepCost) -> float:
@@ -43,9 +47,12 @@ def profile_ratio(w: np.ndarray, cost: StepCost) -> float:
     return float((w[:, 1] - w[:, 0]).sum() / sum(cost(b, t) for b, t in w[:, 2:4]))
 
 
-def served_error(fit, costs: list[StepCost], run: dict[str, list], i: int) -> tuple[float, float, float]:
-    """(measured mean step s, mean batch, refit's error) of model i's steps in `run`."""
+def served_error(fit: ServedFit, costs: list[StepCost], run: dict[str, list], i: int) -> tuple[float, float, float] | None:
+    """(measured mean step s, mean batch, refit's error) of model i's steps in `run`; None where
+    the model ran none there."""
     mine = [StepSpan(*x) for x in run[NAMES[i]] if x[1] > x[0]]
+    if not mine:
+        return None
     other = [StepSpan(*x) for x in run[NAMES[1 - i]]]
     c = fit.step_costs(costs)[i]
     o = overlap_shares(mine, other)  # [n] share of each step overlapped by the other model's
@@ -66,7 +73,10 @@ def report(out_dir: Path, gap: float) -> str:
                   "|---|---|---|---:|"]
         for key, run in runs.items():
             for i, name in enumerate(NAMES):
-                ws = windows_of(run[name], gap)
+                ws = windows_of(run[name], gap, [x for m in NAMES for x in run[m]])
+                if not ws:  # (a model that never stepped in this run's windows)
+                    lines.append(f"| {key} | {name} | - | - |")
+                    continue
                 lines.append(f"| {key} | {name} | {' '.join(f'{profile_ratio(w, costs[i]):.2f}x' for w in ws)} | "
                              f"{np.mean([w[:, 2].mean() for w in ws]):.1f} |")
         fitted = [k for k in (f"sync@{n}", f"eager@{n}", f"delayed@{n}") if k in runs]
@@ -80,8 +90,8 @@ def report(out_dir: Path, gap: float) -> str:
         for key, run in runs.items():
             cells = []
             for i in range(len(NAMES)):
-                t, b, err = served_error(fit, costs, run, i)
-                cells.append(f"{1e3 * t:.1f} ({b:.1f}), {100 * err:+.0f} %")
+                got = served_error(fit, costs, run, i)
+                cells.append("-" if got is None else f"{1e3 * got[0]:.1f} ({got[1]:.1f}), {100 * got[2]:+.0f} %")
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

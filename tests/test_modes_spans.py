@@ -40,6 +40,10 @@ def test_windows_split_on_gaps_and_read_their_speed_against_the_profile():
     from aiorouter.tuning import StepCost
     large = StepCost(*(1e-3 * COST_MS["large"][k] for k in ("a", "per_seq", "per_token")))
     assert [profile_ratio(w, large) for w in ws] == pytest.approx([1.2, 2.0])
+    # a model idle for longer than the gap inside a window: the windows are where any model ran
+    small = [x for k, x in enumerate(a["small"]) if not 10 <= k < 50]  # ~1.6 s without a small step
+    assert len(windows_of(small, gap=1.5)) == 2
+    assert [len(w) for w in windows_of(small, 1.5, small + a["large"])] == [20]
 
 
 def test_report_reads_every_window_and_the_refit_error_of_every_run(tmp_path):
@@ -50,7 +54,8 @@ def test_report_reads_every_window_and_the_refit_error_of_every_run(tmp_path):
     eager = sync_spans(20.0, 80, 1.3, lambda k: 1 + (k + 1) % 4)
     point = sync_spans(40.0, 80, 1.3, lambda k: 3)
     slow = {m: sync_spans(60.0, 40, 1.3, lambda k: 3)[m] + sync_spans(80.0, 40, 2.6, lambda k: 3)[m] for m in ("small", "large")}
-    write_run(tmp_path, {"sync@2": sync, "eager@2": eager, "sweep 1,3": point, "sweep 1,2": slow})
+    idle = {"small": point["small"], "large": []}  # the large model never stepped in it
+    write_run(tmp_path, {"sync@2": sync, "eager@2": eager, "sweep 1,3": point, "sweep 1,2": slow, "sweep 1,4": idle})
     text = report(tmp_path, gap=1.5)
     assert "| sweep 1,2 | large | 1.30x 2.60x | 3.0 |" in text
     assert "| sync@2 | small | 1.30x | 1.0 |" in text
@@ -58,6 +63,7 @@ def test_report_reads_every_window_and_the_refit_error_of_every_run(tmp_path):
     assert rows["sweep 1,3"].count("+0 %") + rows["sweep 1,3"].count("-0 %") == 2  # both models predicted
     # the slow window took twice as long: the refit (1.3x) is a third short of the whole point
     assert "-33 %" in rows["sweep 1,2"]
+    assert "| sweep 1,4 | large | - | - |" in text and rows["sweep 1,4"].endswith("| - |")
 
 
 def test_a_run_without_spans_is_refused_with_the_flag_to_use(tmp_path, capsys):
