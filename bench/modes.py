@@ -173,25 +173,27 @@ def summarise(n: int, results: dict, pred: dict, sweep: dict) -> dict:
             best = [max(x) for x in zip(*(r["rounds_tok_s"] for m, r in runs.items() if m != "delayed"))]
             out["delayed_over_best_by_round"] = float(np.median([d / b for d, b in zip(runs["delayed"]["rounds_tok_s"], best)]))
     if sweep:
-        # the chain's best among the thresholds swept (the small model's is the one delayed ran)
-        b_pred = max(sweep, key=lambda b: pred["by_thresholds"][b])
-        for key, tag in (("steady_tok_s", ""), ("tok_s", "whole_run_")):
-            best_meas = max(sweep, key=lambda b: sweep[b][key])
-            out.update({f"{tag}best_B_measured": best_meas,
-                        f"{tag}measured_loss_at_predicted_best": (1 - sweep[b_pred][key] / sweep[best_meas][key]
-                                                                  if b_pred in sweep else None)})
-        out.update(best_B_predicted=b_pred, best_B_startup=",".join(map(str, pred["startup"]["best_thresholds"])),
-                   sweep_prediction_error={b: pred["by_thresholds"][b] / v["steady_tok_s"] - 1 for b, v in sweep.items()})
+        out.update(sweep_read(pred["by_thresholds"], sweep, whole_run=True),
+                   best_B_startup=",".join(map(str, pred["startup"]["best_thresholds"])))
     if "sync_eager_fit" in pred:  # the same, fitted on the sync and eager windows' forwards alone
-        alone = pred["sync_eager_fit"]
         out["sync_eager_fit"] = {"prediction_error": {m: runs[m]["sync_eager_fit_predicted_tok_s"] / v - 1
                                                       for m, v in steady.items() if v}}
         if sweep:
-            b_alone = max(sweep, key=lambda b: alone["by_thresholds"][b])
-            out["sync_eager_fit"].update(
-                best_B_predicted=b_alone, measured_loss_at_predicted_best=1 - sweep[b_alone]["steady_tok_s"] / max(
-                    v["steady_tok_s"] for v in sweep.values()),
-                sweep_prediction_error={b: alone["by_thresholds"][b] / v["steady_tok_s"] - 1 for b, v in sweep.items()})
+            out["sync_eager_fit"].update(sweep_read(pred["sync_eager_fit"]["by_thresholds"], sweep))
+    return out
+
+
+def sweep_read(by_thresholds: dict[str, float], sweep: dict, whole_run: bool = False) -> dict:
+    """A prediction read against the sweep: the chain's best among the thresholds swept (the small
+    model's is the one delayed ran), the measured best and the loss there (on the steady window,
+    and with `whole_run` on whole runs too), and the error at every point."""
+    b_pred = max(sweep, key=lambda b: by_thresholds[b])
+    out = {"best_B_predicted": b_pred,
+           "sweep_prediction_error": {b: by_thresholds[b] / v["steady_tok_s"] - 1 for b, v in sweep.items()}}
+    for key, tag in (("steady_tok_s", ""), ("tok_s", "whole_run_"))[:2 if whole_run else 1]:
+        best_meas = max(sweep, key=lambda b: sweep[b][key])
+        out.update({f"{tag}best_B_measured": best_meas,
+                    f"{tag}measured_loss_at_predicted_best": 1 - sweep[b_pred][key] / sweep[best_meas][key]})
     return out
 
 
@@ -543,8 +545,10 @@ def main(argv=None) -> int:
         summary[n] = summarise(n, results, pred, sweep)
         print(json.dumps({"N": n, **summary[n]}, default=float))
         # (thousands of spans a run: used above, and kept apart with --keep-spans)
-        spans[n] = {key: results[key].pop("spans", None) for key in results if key.endswith(f"@{n}")}
-        spans[n].update({f"sweep {b}": v.pop("spans", None) for b, v in sweep.items()})
+        at_n = {key: results[key].pop("spans", None) for key in results if key.endswith(f"@{n}")}
+        at_n.update({f"sweep {b}": v.pop("spans", None) for b, v in sweep.items()})
+        if args.keep_spans:
+            spans[n] = at_n
     data = {"machine": machine(), "pair": args.pair, "policy": pair.policy,
             "policy_args": interleaved_policy_args(pair) if args.interleave else pair.policy_args,
             "tokens": args.tokens, "requests_per_client": args.requests_per_client, "staggered": args.stagger,

@@ -48,7 +48,7 @@ from aiorouter.tuning import (
     sync_throughput,
 )
 from engines import Engine, EngineConfig
-from engines.profile import contention_pairs, profile_contention, profile_step_latency
+from engines.profile import ContentionSample, contention_pairs, profile_contention, profile_step_latency
 
 STEP_SHAPES = lambda cap: [(1, 1), (4, 1), (cap, 1), (1, 32), (4, 8), (cap, 4)]
 
@@ -69,6 +69,15 @@ class PairProfile:
                                  for n, c in zip(self.names, self.costs)},
                 "contention": self.samples, "profile_s": {"step_cost": self.step_seconds,
                                                           "contention": self.contention_seconds}}
+
+    @classmethod
+    def from_described(cls, d: dict) -> "PairProfile":
+        """The profile back from its `describe()` (a modes.json's "profile"), to refit offline."""
+        names = list(d["step_cost_ms"])
+        costs = [StepCost(*(1e-3 * d["step_cost_ms"][n][k] for k in ("a", "per_seq", "per_token"))) for n in names]
+        samples = [ContentionSample(**x) for x in d["contention"]]
+        return cls(names, costs, Contention.from_samples(len(names), samples), list(d["contention"]),
+                   [d["threads"][n] for n in names], d["profile_s"]["step_cost"], d["profile_s"]["contention"])
 
 
 def profile_pair(paths: dict[str, Path], cap: int, cache_dir: Path | None) -> PairProfile:

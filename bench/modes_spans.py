@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from aiorouter.tuning import Contention, StepCost
-from aiorouter.tuning.served import ServedFit, StepSpan, fit_served, overlap_shares
-from engines.profile import ContentionSample
+from aiorouter.tuning import StepCost
+from aiorouter.tuning.served import ServedFit, StepSpan, overlap_shares
+from bench.modes_model import PairProfile, served_profile
 
 NAMES = ("small", "large")
 
@@ -48,13 +48,13 @@ def profile_ratio(w: np.ndarray, cost: StepCost) -> float:
 
 
 def served_error(fit: ServedFit, costs: list[StepCost], run: dict[str, list], i: int) -> tuple[float, float, float] | None:
-    """(measured mean step s, mean batch, refit's error) of model i's steps in `run`; None where
-    the model ran none there."""
+    """(measured mean step s, mean batch, refit's error) of model i's steps in `run`, `costs` the
+    refitted step costs; None where the model ran none there."""
     mine = [StepSpan(*x) for x in run[NAMES[i]] if x[1] > x[0]]
     if not mine:
         return None
     other = [StepSpan(*x) for x in run[NAMES[1 - i]]]
-    c = fit.step_costs(costs)[i]
+    c = costs[i]
     o = overlap_shares(mine, other)  # [n] share of each step overlapped by the other model's
     pred = np.array([c(x.batch, x.tokens) for x in mine]) / (1.0 - fit.kappa[i][1 - i] * o)
     t = np.array([x.seconds for x in mine])
@@ -65,8 +65,8 @@ def report(out_dir: Path, gap: float) -> str:
     data = json.loads((out_dir / "modes.json").read_text())
     with gzip.open(out_dir / "spans.json.gz", "rt") as f:
         spans = json.load(f)
-    ms = data["profile"]["step_cost_ms"]
-    costs = [StepCost(*(1e-3 * ms[n][k] for k in ("a", "per_seq", "per_token"))) for n in NAMES]
+    prof = PairProfile.from_described(data["profile"])
+    costs = prof.costs
     lines = []
     for n, runs in spans.items():
         lines += [f"\nN = {n}", "", "| run | model | windows: step time / start-up profile's | mean batch |",
@@ -82,15 +82,13 @@ def report(out_dir: Path, gap: float) -> str:
         fitted = [k for k in (f"sync@{n}", f"eager@{n}", f"delayed@{n}") if k in runs]
         if not fitted:
             continue
-        # as bench.modes_model.served_profile fits it (the start-up contention as kappa's prior)
-        prior = Contention.from_samples(len(NAMES), [ContentionSample(**x) for x in data["profile"]["contention"]])
-        fit = fit_served([[StepSpan(*x) for k in fitted for x in runs[k][name]] for name in NAMES], costs, prior=prior)
+        served, fit = served_profile(prof, [{"spans": runs[k]} for k in fitted])
         lines += ["", f"served refit on {', '.join(fitted)}: mean step time predicted against measured", "",
                   "| run | " + " | ".join(f"{m} ms (batch), refit error" for m in NAMES) + " |", "|---|---|---|"]
         for key, run in runs.items():
             cells = []
             for i in range(len(NAMES)):
-                got = served_error(fit, costs, run, i)
+                got = served_error(fit, served.costs, run, i)
                 cells.append("-" if got is None else f"{1e3 * got[0]:.1f} ({got[1]:.1f}), {100 * got[2]:+.0f} %")
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -28,7 +28,9 @@ def sync_spans(start: float, steps: int, slow: float, large_batch=lambda k: 2) -
 
 
 def write_run(tmp_path, runs: dict[str, dict]) -> None:
-    (tmp_path / "modes.json").write_text(json.dumps({"profile": {"step_cost_ms": COST_MS, "contention": []}}))
+    profile = {"step_cost_ms": COST_MS, "contention": [], "threads": {"small": 1, "large": 2},
+               "profile_s": {"step_cost": 1.0, "contention": 0.0}}  # as PairProfile.describe() writes it
+    (tmp_path / "modes.json").write_text(json.dumps({"profile": profile}))
     with gzip.open(tmp_path / "spans.json.gz", "wt") as f:
         json.dump({"2": runs}, f)
 
