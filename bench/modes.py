@@ -19,7 +19,9 @@ delayed at every large-model threshold 1..N (small-model threshold as predicted;
 `--rounds` times, its median kept), so the measured best threshold can be read against the
 predicted one. Interleaved, a sweep point also pools delayed's windows where delayed ran its
 schedule, and `--confirm K` measures the points near the measured top (and the predicted best)
-K cycles more (`contenders`).
+K cycles more (`contenders`), with sync, eager and delayed in each of those cycles too; the
+measured best B is also read with each window against its cycle's sync and eager windows
+(`blocked_best_B_measured`, bench.modes_interleaved.blocked).
 
 The chain describes a stationary closed loop: N requests in flight at spread phases. Clients that
 start together with equal lengths stay in step instead (every prompt of a cohort prefilled at
@@ -47,6 +49,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -57,7 +60,7 @@ from tqdm import tqdm
 from aiorouter import Router
 from bench import workloads as W
 from bench.common import RESULTS, OutsideLoad, cache_dir, closed_loop, machine
-from bench.modes_interleaved import SteadyLoop, pooled, reset_window, window_steps
+from bench.modes_interleaved import SteadyLoop, blocked, cycle_reference, pooled, reset_window, window_steps
 from bench.modes_model import (observed_overhead, observed_routing, predict, predicted_for, profile_pair,
                                served_profile)
 from bench.run import PAIRS, load_pair, tokens_computed
@@ -186,11 +189,15 @@ def summarise(n: int, results: dict, pred: dict, sweep: dict) -> dict:
 def sweep_read(by_thresholds: dict[str, float], sweep: dict, whole_run: bool = False) -> dict:
     """A prediction read against the sweep: the chain's best among the thresholds swept (the small
     model's is the one delayed ran), the measured best and the loss there (on the steady window,
-    and with `whole_run` on whole runs too), and the error at every point."""
+    with `whole_run` on whole runs too, and where the points carry it on `blocked_tok_s`, each
+    window read against its cycle's sync and eager), and the error at every point."""
     b_pred = max(sweep, key=lambda b: by_thresholds[b])
     out = {"best_B_predicted": b_pred,
            "sweep_prediction_error": {b: by_thresholds[b] / v["steady_tok_s"] - 1 for b, v in sweep.items()}}
-    for key, tag in (("steady_tok_s", ""), ("tok_s", "whole_run_"))[:2 if whole_run else 1]:
+    reads = [("steady_tok_s", ""), ("tok_s", "whole_run_")][:2 if whole_run else 1]
+    if all("blocked_tok_s" in v for v in sweep.values()):  # interleaved: each window against its cycle
+        reads.append(("blocked_tok_s", "blocked_"))
+    for key, tag in reads:
         best_meas = max(sweep, key=lambda b: sweep[b][key])
         out.update({f"{tag}best_B_measured": best_meas,
                     f"{tag}measured_loss_at_predicted_best": 1 - sweep[b_pred][key] / sweep[best_meas][key]})
@@ -282,8 +289,10 @@ def interleaved_policy_args(pair) -> dict:
 async def interleaved_at(pair, n: int, args, prof, tpl_P, tpl_C, sweep: bool) -> tuple[dict, dict, dict]:
     """Every schedule at N on one router under one closed loop (bench.modes_interleaved): a first
     cycle of sync and eager windows fits the model, which names what delayed runs; then
-    `args.rounds` cycles of sync, eager, delayed (and with `sweep`, in the first `args.sweep_rounds`
-    of them, every feasible large threshold, the small one B*'s), each cycle in rotated order.
+    `args.rounds` cycles of sync, eager, delayed (and with `sweep`, in `args.sweep_rounds` of them
+    spread over the run, every feasible large threshold, the small one B*'s), each cycle in rotated
+    order, then `args.confirm` cycles of sync, eager, delayed and the sweep's contenders. The
+    final prediction is fitted on every cycle's sync, eager and delayed windows.
     Every window of a cycle serves that cycle's prompts (`cycle_prompt`), in the same order, on a
     router without prefix caching (fresh random prompts share no prefix, so it spares no work
     here, and a prompt served again is computed again). -> (results at N, prediction, sweep)."""
@@ -314,10 +323,26 @@ async def interleaved_at(pair, n: int, args, prof, tpl_P, tpl_C, sweep: bool) ->
                           for b1 in range(1, n - b0 + 2)] if sweep else []  # feasible: (b0-1) + (b1-1) < n
                 windows: dict[str, list[dict]] = {key: [] for key, _, _ in modes + points}
                 sweep_cycles = spread(args.sweep_rounds or args.rounds, args.rounds)
+
+                async def cycle(c: int, runs: list) -> None:
+                    for key, mode, b in runs:
+                        windows[key].append({**await loop.measure(mode, b, *periods, prompts=in_cycle(c)), "cycle": c})
+
                 for rnd in tqdm(range(args.rounds), desc=f"N={n} cycles", leave=False):
-                    swept = rotated(points, rnd) if rnd in sweep_cycles else []
-                    for key, mode, b in rotated(modes, rnd) + swept:
-                        windows[key].append(await loop.measure(mode, b, *periods, prompts=in_cycle(rnd)))
+                    await cycle(rnd, rotated(modes, rnd) + (rotated(points, rnd) if rnd in sweep_cycles else []))
+                if points and args.confirm:
+                    # The contenders measured again, in turn (see contenders()), each confirm cycle
+                    # with sync, eager and delayed beside them: the points are told apart against
+                    # their cycles' sync and eager windows (bench.modes_interleaved.blocked), and the
+                    # modes' figures gain windows.
+                    fitted = await asyncio.to_thread(model_at, prof, [w for k, _, _ in modes for w in windows[k]],
+                                                     tpl_P, tpl_C, n)
+                    ref = cycle_reference(windows)
+                    again = contenders(point_windows(windows, points, sched, th, names), fitted, args.confirm_margin,
+                                       lambda w: blocked(w, ref))
+                    again = [p for p in points if p[0] in again]
+                    for rnd in tqdm(range(args.confirm), desc=f"N={n} confirm {len(again)}", leave=False):
+                        await cycle(args.rounds + rnd, rotated(modes + again, rnd))  # prompts not served before
                 first_pred = pred
                 # The final prediction is fitted on the measured cycles' forwards, never on the first
                 # cycle's (that one only picks what delayed runs): the machine drifts by a quarter
@@ -335,14 +360,6 @@ async def interleaved_at(pair, n: int, args, prof, tpl_P, tpl_C, sweep: bool) ->
                 alone = await asyncio.to_thread(model_at, prof, served, tpl_P, tpl_C, n)
                 pred = await asyncio.to_thread(model_at, prof, served + windows["delayed"], tpl_P, tpl_C, n)
                 pred["sync_eager_fit"] = {k: alone[k] for k in FIT_KEYS}
-                if points and args.confirm:
-                    # the contenders measured again, in turn (see contenders())
-                    again = contenders(point_windows(windows, points, sched, th, names), pred, args.confirm_margin)
-                    again = [p for p in points if p[0] in again]
-                    for rnd in tqdm(range(args.confirm), desc=f"N={n} confirm {len(again)}", leave=False):
-                        c = args.rounds + rnd  # prompts of a cycle not served before
-                        for key, mode, b in rotated(again, rnd):
-                            windows[key].append(await loop.measure(mode, b, *periods, prompts=in_cycle(c)))
     pred["first_round"] = {k: first_pred[k] for k in FIT_KEYS}
     results = {}
     for key, _, _ in modes:
@@ -352,9 +369,11 @@ async def interleaved_at(pair, n: int, args, prof, tpl_P, tpl_C, sweep: bool) ->
             results[f"{key}@{n}"].pop("schedule")
             results[f"{key}@{n}"].pop("thresholds")
     sweep_out = {}
+    ref = cycle_reference(windows)
     for key, run_windows in point_windows(windows, points, sched, th, names).items():
         run = pooled(run_windows)
-        sweep_out[key] = {**{k: run[k] for k in SWEEP_KEYS if k in run}, "rounds_tok_s": run["rounds_tok_s"],
+        sweep_out[key] = {**{k: run[k] for k in SWEEP_KEYS if k in run}, "blocked_tok_s": blocked(run_windows, ref),
+                          "cycles": [w["cycle"] for w in run_windows], "rounds_tok_s": run["rounds_tok_s"],
                           "rounds_steady_tok_s": run["rounds_steady_tok_s"], "spans": run["spans"]}
     return results, pred, sweep_out
 
@@ -367,17 +386,19 @@ def point_windows(windows: dict[str, list[dict]], points: list, sched: str, th: 
     return {key: windows[key] + (windows["delayed"] if key == same else []) for key, _, _ in points}
 
 
-def contenders(by_point: dict[str, list[dict]], pred: dict, margin: float) -> list[str]:
+def contenders(by_point: dict[str, list[dict]], pred: dict, margin: float,
+               rate: Callable[[list[dict]], float] = lambda w: pooled(w)["steady_tok_s"]) -> list[str]:
     """The sweep points worth measuring again: those within `margin` of the best measured so far,
     and the one the chain predicts best among them (as `summarise` reads it). Why: the measured
     best of N noisy points is the luckiest of them; at 2-3 windows a point (cpu-tiny, N = 4: one
     schedule read 131 and 141 tok/s as a sweep point and as delayed), the points near the top are
     told apart by their noise, and the predicted best's shortfall against the measured best read
-    up to ~14 % that was chance."""
-    rate = {k: pooled(w)["steady_tok_s"] for k, w in by_point.items() if w}
-    top = max(rate.values())
-    keep = [k for k, v in rate.items() if v >= (1 - margin) * top]
-    best = max(rate, key=lambda b: pred["by_thresholds"][b])  # the chain's best among the points swept
+    up to ~14 % that was chance. `rate`: a point's tok/s from its windows (pooled by default;
+    `interleaved_at` reads them against their cycles, `blocked`)."""
+    rates = {k: rate(w) for k, w in by_point.items() if w}
+    top = max(rates.values())
+    keep = [k for k, v in rates.items() if v >= (1 - margin) * top]
+    best = max(rates, key=lambda b: pred["by_thresholds"][b])  # the chain's best among the points swept
     return keep + ([best] if best not in keep else [])
 
 

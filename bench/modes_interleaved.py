@@ -229,3 +229,29 @@ def pooled(windows: list[dict]) -> dict:
             "overhead_ms": overhead, "window_steps": inside,
             "spans": {k: [x for w in windows for x in w["spans"][k]] for k in names},
             "schedule": windows[0]["schedule"], "thresholds": windows[0]["thresholds"]}
+
+
+def cycle_reference(windows: dict[str, list[dict]], keys: tuple[str, ...] = ("sync", "eager")) -> dict[int, float]:
+    """{cycle: geometric mean of `keys`' windows' tok/s in that cycle}: how fast the machine and that
+    cycle's prompts ran, from schedules measured in every cycle (the sweep's points are measured in
+    some); windows carry their cycle as "cycle". Cycles missing one of `keys` are left out."""
+    by: dict[int, list[float]] = {}
+    for k in keys:
+        for w in windows.get(k, []):
+            by.setdefault(w["cycle"], []).append(w["tok_s"])
+    return {c: float(np.exp(np.mean(np.log(v)))) for c, v in by.items() if len(v) == len(keys)}
+
+
+def blocked(windows: list[dict], ref: dict[int, float]) -> float:
+    """tok/s of one schedule from its windows, each read against its cycle's reference
+    (`cycle_reference`) and put back on the mean reference level: a randomized block design, the
+    cycle as the block. Why: windows of the schedules compared are measured in different cycles
+    (the sweep in some, its contenders again at the end), and pooled tokens over seconds read a slow
+    stretch of the machine as a slow schedule: smollm2, N = 8, 2026-12-03, the confirm cycles ran
+    the large model's forwards at 1.6-1.8x the start-up profile against 1.2-1.5x in the cycles
+    before: the five contenders' windows there read 104-132 tok/s against 118-144 before, and the
+    measured best became (1, 6), a point never measured again. Windows of cycles without a
+    reference are left out."""
+    level = float(np.mean(list(ref.values())))
+    rel = [w["tok_s"] / ref[w["cycle"]] for w in windows if w["cycle"] in ref]
+    return level * float(np.mean(rel)) if rel else float("nan")

@@ -74,17 +74,21 @@ def markdown(data: dict) -> str:
                                  f"{f['scales'][1]:.2f}/{sl[1]:.2f}, {f['kappa'][1][0]:.2f}")
         out.append(f"| {n} | {' | '.join(cells)} | {fl} | {fit} |")
     if sweep:
+        blocked = all("blocked_best_B_measured" in summ[n] for n in sweep)  # runs before it pooled only
         out += ["", "| N | predicted best B (start-up) | measured best B, steady (whole run) | steady loss at the "
-                "predicted best (whole run) | served prediction error over the sweep (min / max) |"
+                "predicted best (whole run) |" + (" against each window's cycle: measured best B, loss |" if blocked else "")
+                + " served prediction error over the sweep (min / max) |"
                 + (" sync/eager fit: predicted best B, loss, error (min / max) |" if alone else ""),
-                "|---|---|---|---|---|" + ("---|" if alone else "")]
+                "|---|---|---|---|" + ("---|" if blocked else "") + "---|" + ("---|" if alone else "")]
         for n in sorted(sweep, key=int):
             s = summ[n]
             errs = list(s["sweep_prediction_error"].values())
             out.append(f"| {n} | {s['best_B_predicted']} ({s['best_B_startup']}) | {s['best_B_measured']} "
                        f"({s['whole_run_best_B_measured']}) | {_pct(s['measured_loss_at_predicted_best'])} "
                        f"({_pct(s['whole_run_measured_loss_at_predicted_best'])}) | "
-                       f"{_pct(min(errs))} / {_pct(max(errs))} |"
+                       + (f"{s['blocked_best_B_measured']}, {_pct(s['blocked_measured_loss_at_predicted_best'])} | "
+                          if blocked else "")
+                       + f"{_pct(min(errs))} / {_pct(max(errs))} |"
                        + (f" {s['sync_eager_fit']['best_B_predicted']}, "
                           f"{_pct(s['sync_eager_fit']['measured_loss_at_predicted_best'])}, "
                           f"{_pct(min(s['sync_eager_fit']['sweep_prediction_error'].values()))} / "

@@ -129,6 +129,21 @@ def test_summary_reports_the_fit_on_sync_and_eager_alone_beside_the_final_one():
     assert fit["sweep_prediction_error"]["1,2"] == pytest.approx(120 / 96 - 1)
 
 
+def test_summary_reads_the_best_b_against_the_cycles_where_the_sweep_has_it():
+    pred = {"best_thresholds": [1, 2], "by_thresholds": {"1,1": 90.0, "1,2": 100.0},
+            "startup": {"best_thresholds": [1, 2]}}
+    results = {f"{m}@2": {"tok_s": 90.0, "steady_tok_s": 90.0, "predicted_tok_s": 90.0, "startup_predicted_tok_s": 90.0}
+               for m in ("sync", "eager", "delayed")}
+    # pooled, (1, 1) looks best; each window against its cycle, (1, 2) is
+    sweep = {"1,1": {"tok_s": 100.0, "steady_tok_s": 100.0, "blocked_tok_s": 95.0},
+             "1,2": {"tok_s": 96.0, "steady_tok_s": 96.0, "blocked_tok_s": 98.0}}
+    s = summarise(2, results, pred, sweep)
+    assert s["best_B_measured"] == "1,1" and s["measured_loss_at_predicted_best"] == pytest.approx(0.04)
+    assert s["blocked_best_B_measured"] == "1,2" and s["blocked_measured_loss_at_predicted_best"] == 0.0
+    del sweep["1,1"]["blocked_tok_s"]  # one point without it: not read that way
+    assert "blocked_best_B_measured" not in summarise(2, results, pred, sweep)
+
+
 def test_summary_pairs_the_modes_round_by_round():
     def run(rounds):
         return {"tok_s": float(np.median(rounds)), "steady_tok_s": 1.0, "predicted_tok_s": 1.0,

@@ -159,6 +159,36 @@ def test_contenders_are_the_points_near_the_measured_top_and_the_predicted_best(
     assert contenders(by_point, pred, 0.11) == ["1,1", "1,2", "1,3"]
 
 
+def test_contenders_can_rank_the_points_by_another_rate():
+    from bench.modes import contenders
+    by_point = {"1,1": [_window(100)], "1,2": [_window(80)], "1,3": [_window(60)]}
+    pred = {"by_thresholds": {"1,1": 1.0, "1,2": 1.0, "1,3": 2.0}}
+    slowest_first = lambda w: 1000.0 / w[0]["tok_s"]  # noqa: E731
+    assert contenders(by_point, pred, 0.1, slowest_first) == ["1,3"]  # its own top, and the chain's best
+
+
+def _in_cycle(tok_s: float, cycle: int) -> dict:
+    return {**_window(tok_s), "cycle": cycle}
+
+
+def test_a_blocked_rate_reads_each_window_against_its_cycle():
+    from bench.modes_interleaved import blocked, cycle_reference
+    # cycle 2 ran at half speed: sync and eager read 50 and 200 there (geometric mean 100) against
+    # 100 and 400 (200) in cycles 0 and 1
+    w = {"sync": [_in_cycle(100, 0), _in_cycle(100, 1), _in_cycle(50, 2)],
+         "eager": [_in_cycle(400, 0), _in_cycle(400, 1), _in_cycle(200, 2), _in_cycle(400, 3)]}
+    ref = cycle_reference(w)
+    assert ref == pytest.approx({0: 200.0, 1: 200.0, 2: 100.0})  # cycle 3 lacks sync: no reference
+    level = 500 / 3
+    # a point measured in the slow cycle at half its fast-cycle rate is as fast as one measured at
+    # that rate in a fast cycle; pooled, it would read 3/4 of it
+    fast, slow_too = [_in_cycle(220, 0), _in_cycle(220, 1)], [_in_cycle(220, 0), _in_cycle(110, 2)]
+    assert blocked(fast, ref) == pytest.approx(level * 1.1) and blocked(slow_too, ref) == pytest.approx(level * 1.1)
+    assert pooled(slow_too)["tok_s"] == pytest.approx(165.0)
+    assert blocked([_in_cycle(220, 0), _in_cycle(999, 3)], ref) == pytest.approx(level * 1.1)  # cycle 3 left out
+    assert blocked([_in_cycle(220, 3)], ref) != blocked([_in_cycle(220, 3)], ref)  # nothing to read: NaN
+
+
 def test_the_sweep_cycles_are_spread_over_the_run():
     from bench.modes import spread
     assert spread(3, 6) == {0, 2, 4} and spread(3, 8) == {0, 2, 5} and spread(6, 6) == set(range(6))
