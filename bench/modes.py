@@ -5,7 +5,7 @@ what the throughput model predicts for it (bench/modes_model.py says from what).
                           [--requests-per-client 2] [--min-requests 8] [--rounds 1] [--sweep [--sweep-at 4,8]]
                           [--delayed-thresholds model|auto] [--no-stagger]
                           [--quiet-gate CORES] [--out DIR]
-    python -m bench.modes --pair ... --interleave [--rounds 4] [--window 5] [--settle 1] [--window-lives 2] [--window-requests 8] [--settle-lives 0.5] [--sweep [--sweep-rounds K] [--confirm K]] [--keep-spans]
+    python -m bench.modes --pair ... --interleave [--rounds 4] [--window 5] [--settle 1] [--window-lives 2] [--window-requests 8] [--settle-lives 0.5] [--sweep [--sweep-rounds K] [--confirm K] [--race K]] [--keep-spans]
 
 `--interleave` measures every schedule at N on one router under one unbroken closed loop, in
 windows that take turns (bench/modes_interleaved.py says why: separate runs of one schedule
@@ -21,7 +21,9 @@ predicted one. Interleaved, a sweep point also pools delayed's windows where del
 schedule, and `--confirm K` measures the points near the measured top (and the predicted best)
 K cycles more (`contenders`), with sync, eager and delayed in each of those cycles too; the
 measured best B is also read with each window against its cycle's sync and eager windows
-(`blocked_best_B_measured`, bench.modes_interleaved.blocked).
+(`blocked_best_B_measured`, bench.modes_interleaved.blocked). `--race K` then races the
+predicted best point against the best other one in K pairs of fresh windows, which decide the
+measured best B (`race_best_B_measured`; bench.modes_interleaved.race_read says why).
 
 The chain describes a stationary closed loop: N requests in flight at spread phases. Clients that
 start together with equal lengths stay in step instead (every prompt of a cohort prefilled at
@@ -60,7 +62,8 @@ from tqdm import tqdm
 from aiorouter import Router
 from bench import workloads as W
 from bench.common import RESULTS, OutsideLoad, cache_dir, closed_loop, machine
-from bench.modes_interleaved import SteadyLoop, blocked, cycle_reference, pooled, reset_window, window_steps
+from bench.modes_interleaved import (SteadyLoop, blocked, cycle_reference, pooled, race_order, race_read, reset_window,
+                                     window_steps)
 from bench.modes_model import (observed_overhead, observed_routing, predict, predicted_for, profile_pair,
                                served_profile)
 from bench.run import PAIRS, load_pair, tokens_computed
@@ -201,6 +204,12 @@ def sweep_read(by_thresholds: dict[str, float], sweep: dict, whole_run: bool = F
         best_meas = max(sweep, key=lambda b: sweep[b][key])
         out.update({f"{tag}best_B_measured": best_meas,
                     f"{tag}measured_loss_at_predicted_best": 1 - sweep[b_pred][key] / sweep[best_meas][key]})
+    raced = [b for b, v in sweep.items() if "race_tok_s" in v]
+    if len(raced) == 2 and b_pred in raced:  # the predicted best raced against the best other point
+        other = raced[1] if raced[0] == b_pred else raced[0]
+        r = race_read(sweep[b_pred]["race_tok_s"], sweep[other]["race_tok_s"])
+        out.update(race_best_B_measured=b_pred if r["ratio"] >= 1 else other,
+                   race_measured_loss_at_predicted_best=max(0.0, 1 - r["ratio"]), race={"against": other, **r})
     return out
 
 
@@ -360,6 +369,7 @@ async def interleaved_at(pair, n: int, args, prof, tpl_P, tpl_C, sweep: bool) ->
                 alone = await asyncio.to_thread(model_at, prof, served, tpl_P, tpl_C, n)
                 pred = await asyncio.to_thread(model_at, prof, served + windows["delayed"], tpl_P, tpl_C, n)
                 pred["sync_eager_fit"] = {k: alone[k] for k in FIT_KEYS}
+                raced = await race(loop, n, args, windows, points, pred, (sched, th, names), periods, in_cycle)
     pred["first_round"] = {k: first_pred[k] for k in FIT_KEYS}
     results = {}
     for key, _, _ in modes:
@@ -375,7 +385,30 @@ async def interleaved_at(pair, n: int, args, prof, tpl_P, tpl_C, sweep: bool) ->
         sweep_out[key] = {**{k: run[k] for k in SWEEP_KEYS if k in run}, "blocked_tok_s": blocked(run_windows, ref),
                           "cycles": [w["cycle"] for w in run_windows], "rounds_tok_s": run["rounds_tok_s"],
                           "rounds_steady_tok_s": run["rounds_steady_tok_s"], "spans": run["spans"]}
+        if key in raced:
+            sweep_out[key]["race_tok_s"] = raced[key]
     return results, pred, sweep_out
+
+
+async def race(loop: SteadyLoop, n: int, args, windows: dict, points: list, pred: dict, ran: tuple,
+               periods: tuple, in_cycle: Callable) -> dict[str, list[float]]:
+    """With --race K: the chain's best sweep point (the final prediction's, as `sweep_read` reads
+    it) against the best other point, each window against its cycle (`blocked`), in K pairs of
+    windows after every cycle (`race_order`; a pair serves one fresh list of prompts).
+    -> {point: its race windows' tok/s} ({} without a race). bench.modes_interleaved.race_read says
+    why a race decides the measured best B, and reads it."""
+    if not args.race or len(points) < 2:
+        return {}
+    by = point_windows(windows, points, *ran)
+    ref = cycle_reference(windows)
+    a = max(by, key=lambda k: pred["by_thresholds"][k])
+    b = max((k for k in by if k != a), key=lambda k: blocked(by[k], ref))
+    thresholds = {key: t for key, _, t in points}
+    first = args.rounds + args.confirm  # the prompts of cycles not served before
+    out: dict[str, list[float]] = {a: [], b: []}
+    for i, key in enumerate(tqdm(race_order(a, b, args.race), desc=f"N={n} race {a} / {b}", leave=False)):
+        out[key].append((await loop.measure("delayed", thresholds[key], *periods, prompts=in_cycle(first + i // 2)))["tok_s"])
+    return out
 
 
 def point_windows(windows: dict[str, list[dict]], points: list, sched: str, th: dict[str, int],
@@ -483,6 +516,9 @@ def main(argv=None) -> int:
                          "--confirm-margin of the best so far and of the predicted best")
     ap.add_argument("--confirm-margin", type=float, default=0.06, metavar="SHARE",
                     help="with --confirm: points within this share of the best measured are measured again")
+    ap.add_argument("--race", type=int, default=0, metavar="K",
+                    help="with --interleave --sweep: then the predicted best point against the best other one, "
+                         "in K pairs of windows (bench.modes_interleaved.race_read), which decide the measured best B")
     ap.add_argument("--sweep-at", default=None, metavar="N,...",
                     help="with --sweep: only at these N (default: every N > 1); a sweep at N is N points x --rounds runs")
     ap.add_argument("--no-stagger", dest="stagger", action="store_false",
@@ -517,8 +553,8 @@ def main(argv=None) -> int:
         ap.error(f"modes must be sync, eager, delayed (got {unknown}) and N >= 1")
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
-    if args.confirm and not args.interleave:
-        ap.error("--confirm applies to --interleave --sweep")
+    if (args.confirm or args.race) and not args.interleave:
+        ap.error("--confirm and --race apply to --interleave --sweep")
     if args.sweep_rounds is not None and not args.interleave:
         ap.error("--sweep-rounds applies to --interleave (separate runs sweep --rounds times)")
     if args.interleave:
@@ -530,6 +566,8 @@ def main(argv=None) -> int:
                      "--rounds cycles of --window s windows instead")
         if args.confirm < 0 or (args.confirm and not args.sweep) or not 0 <= args.confirm_margin < 1:
             ap.error("--confirm K >= 0 needs --sweep, and --confirm-margin is a share in [0, 1)")
+        if args.race < 0 or (args.race and not args.sweep):
+            ap.error("--race K >= 0 needs --sweep")
         if args.sweep_rounds is not None and not 1 <= args.sweep_rounds <= args.rounds:
             ap.error(f"--sweep-rounds must be between 1 and --rounds ({args.rounds}), got {args.sweep_rounds}")
         if args.window <= 0 or args.window_requests < 1 or min(args.settle, args.window_lives, args.settle_lives) < 0:
@@ -578,6 +616,7 @@ def main(argv=None) -> int:
             "interleave": {"window_s": args.window, "settle_s": args.settle, "window_lives": args.window_lives,
                            "window_requests": args.window_requests, "settle_lives": args.settle_lives,
                            "cycles": args.rounds, "sweep_cycles": args.sweep_rounds or args.rounds,
+                           "confirm_cycles": args.confirm, "race_pairs": args.race,
                            "prompts": "each cycle's windows the same (cycle_prompt)",
                            "prefix_caching": False} if args.interleave else None,
             "profile": {**prof.describe(), "outside_load_cores": prof_load},

@@ -13,6 +13,13 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:+.1f}%"
 
 
+def _race_cell(s: dict) -> str:
+    r = s.get("race")
+    return "- | " if r is None else (f"{s['race_best_B_measured']} ({s['best_B_predicted']} / {r['against']} "
+                                     f"{r['ratio']:.3f}), {_pct(s['race_measured_loss_at_predicted_best'])} "
+                                     f"({r['pairs']} pairs; +-{100 * r['log_se']:.1f}%) | ")
+
+
 def markdown(data: dict) -> str:
     res, pred, summ, sweep = data["results"], data["predictions"], data["summary"], data.get("sweep", {})
     prof = data["profile"]
@@ -75,11 +82,14 @@ def markdown(data: dict) -> str:
         out.append(f"| {n} | {' | '.join(cells)} | {fl} | {fit} |")
     if sweep:
         blocked = all("blocked_best_B_measured" in summ[n] for n in sweep)  # runs before it pooled only
+        raced = any("race" in summ[n] for n in sweep)
         out += ["", "| N | predicted best B (start-up) | measured best B, steady (whole run) | steady loss at the "
                 "predicted best (whole run) |" + (" against each window's cycle: measured best B, loss |" if blocked else "")
+                + (" race: measured best B, loss at the predicted best (pairs; its standard error) |" if raced else "")
                 + " served prediction error over the sweep (min / max) |"
                 + (" sync/eager fit: predicted best B, loss, error (min / max) |" if alone else ""),
-                "|---|---|---|---|" + ("---|" if blocked else "") + "---|" + ("---|" if alone else "")]
+                "|---|---|---|---|" + ("---|" if blocked else "") + ("---|" if raced else "") + "---|"
+                + ("---|" if alone else "")]
         for n in sorted(sweep, key=int):
             s = summ[n]
             errs = list(s["sweep_prediction_error"].values())
@@ -88,6 +98,7 @@ def markdown(data: dict) -> str:
                        f"({_pct(s['whole_run_measured_loss_at_predicted_best'])}) | "
                        + (f"{s['blocked_best_B_measured']}, {_pct(s['blocked_measured_loss_at_predicted_best'])} | "
                           if blocked else "")
+                       + (_race_cell(s) if raced else "")
                        + f"{_pct(min(errs))} / {_pct(max(errs))} |"
                        + (f" {s['sync_eager_fit']['best_B_predicted']}, "
                           f"{_pct(s['sync_eager_fit']['measured_loss_at_predicted_best'])}, "

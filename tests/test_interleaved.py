@@ -2,6 +2,7 @@
 the steady closed loop's windows, on SimEngine."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from aiorouter import Router
@@ -117,9 +118,12 @@ async def test_windows_given_one_prompt_list_serve_the_same_requests():
     (["--interleave", "--rounds", "2", "--sweep-rounds", "3"], "--sweep-rounds must be between 1 and --rounds (2), got 3"),
     (["--sweep-rounds", "1"], "--sweep-rounds applies to --interleave"),
     (["--interleave", "--requests-per-client", "3"], "--requests-per-client and --min-requests size separate runs"),
-    (["--confirm", "2", "--sweep"], "--confirm applies to --interleave --sweep"),
+    (["--confirm", "2", "--sweep"], "--confirm and --race apply to --interleave --sweep"),
     (["--interleave", "--confirm", "2"], "--confirm K >= 0 needs --sweep"),
     (["--interleave", "--sweep", "--confirm", "1", "--confirm-margin", "1.5"], "--confirm-margin is a share in [0, 1)"),
+    (["--race", "4", "--sweep"], "--confirm and --race apply to --interleave --sweep"),
+    (["--interleave", "--race", "4"], "--race K >= 0 needs --sweep"),
+    (["--interleave", "--sweep", "--race", "-1"], "--race K >= 0 needs --sweep"),
 ])
 def test_modes_refuses_options_that_do_not_fit_together(argv, message, capsys):
     from bench.modes import main
@@ -193,3 +197,58 @@ def test_the_sweep_cycles_are_spread_over_the_run():
     from bench.modes import spread
     assert spread(3, 6) == {0, 2, 4} and spread(3, 8) == {0, 2, 5} and spread(6, 6) == set(range(6))
     assert spread(1, 6) == {0}
+
+
+def test_a_race_takes_turns_in_pairs_and_reads_the_geometric_mean_ratio():
+    from bench.modes_interleaved import race_order, race_read
+    assert race_order("1,2", "1,3", 3) == ["1,2", "1,3", "1,3", "1,2", "1,2", "1,3"]
+    r = race_read([100.0, 90.0, 120.0], [100.0, 100.0, 100.0])
+    assert r["ratio"] == pytest.approx((0.9 * 1.2) ** (1 / 3)) and r["pairs"] == 3
+    logs = np.log([1.0, 0.9, 1.2])
+    assert r["log_se"] == pytest.approx(logs.std(ddof=1) / np.sqrt(3))
+    # a schedule twice as fast in a window the machine ran at half speed still reads twice as fast
+    assert race_read([200.0, 100.0], [100.0, 50.0]) == {"ratio": pytest.approx(2.0), "log_se": 0.0, "pairs": 2}
+    with pytest.raises(ValueError, match="pairs of windows, got 2 and 1"):
+        race_read([1.0, 2.0], [1.0])
+
+
+def test_the_summary_reads_the_race_for_the_predicted_best():
+    from bench.modes import sweep_read
+    by = {"1,1": 100.0, "1,2": 90.0, "1,3": 80.0}
+    sweep = {"1,1": {"steady_tok_s": 90.0, "race_tok_s": [90.0, 100.0]},
+             "1,2": {"steady_tok_s": 99.0}, "1,3": {"steady_tok_s": 95.0, "race_tok_s": [100.0, 100.0]}}
+    s = sweep_read(by, sweep)
+    # the sweep's windows put (1, 2) 10 % over the chain's (1, 1); the race, (1, 3) 5.1 % over it
+    assert s["best_B_measured"] == "1,2" and s["measured_loss_at_predicted_best"] == pytest.approx(1 - 90 / 99)
+    assert s["race_best_B_measured"] == "1,3" and s["race"]["against"] == "1,3"
+    assert s["race_measured_loss_at_predicted_best"] == pytest.approx(1 - 0.9 ** 0.5)
+    sweep["1,1"]["race_tok_s"] = [110.0, 100.0]
+    s = sweep_read(by, sweep)
+    assert s["race_best_B_measured"] == "1,1" and s["race_measured_loss_at_predicted_best"] == 0.0
+    by["1,2"] = 200.0  # a prediction whose best was not raced has no race reading
+    assert "race" not in sweep_read(by, sweep)
+
+
+async def test_a_race_measures_the_predicted_best_against_the_best_other_point_on_fresh_prompts():
+    from types import SimpleNamespace
+    from bench.modes import race
+    names = ["small", "large"]
+    points = [(f"1,{b}", "delayed", {"small": 1, "large": b}) for b in (1, 2, 3)]
+    # (1, 3) measured best so far, (1, 2) predicted best: those two race, (1, 1) does not
+    windows = {"sync": [_in_cycle(100, 0)], "eager": [_in_cycle(100, 0)], "delayed": [],
+               "1,1": [_in_cycle(90, 0)], "1,2": [_in_cycle(95, 0)], "1,3": [_in_cycle(99, 0)]}
+    pred = {"by_thresholds": {"1,1": 1.0, "1,2": 3.0, "1,3": 2.0}}
+    asked = []
+    in_cycle = lambda c: (lambda i: asked.append((c, i)) or [10 + c, 11 + i, 3])  # noqa: E731
+    args = SimpleNamespace(race=2, rounds=3, confirm=1)
+    async with Router(SIM, **ARGS, mode="delayed", thresholds={"small": 1, "large": 1}, max_concurrency=4) as r:
+        async with SteadyLoop(r, 2, lambda i: [1, 2, i % 50], 6) as loop:
+            await loop.ramped.wait()
+            got = await race(loop, 2, args, windows, points, pred, ("eager", dict.fromkeys(names, 1), names),
+                             (0.02, 0.1, 0.0, 0.0, 2), in_cycle)
+            no_race = await race(loop, 2, SimpleNamespace(race=0, rounds=3, confirm=1), windows, points, pred,
+                                 ("eager", dict.fromkeys(names, 1), names), (0.02, 0.1, 0.0, 0.0, 2), in_cycle)
+    assert set(got) == {"1,2", "1,3"} and len(got["1,2"]) == len(got["1,3"]) == 2 and no_race == {}
+    assert all(x > 0 for v in got.values() for x in v)
+    # four windows, two a pair: pair k serves cycle 4 + k's prompts (after 3 cycles and 1 confirm cycle)
+    assert sorted({c for c, _ in asked}) == [4, 5]
