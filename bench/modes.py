@@ -5,7 +5,7 @@ what the throughput model predicts for it (bench/modes_model.py says from what).
                           [--requests-per-client 2] [--min-requests 8] [--rounds 1] [--sweep [--sweep-at 4,8]]
                           [--delayed-thresholds model|auto] [--no-stagger]
                           [--quiet-gate CORES] [--out DIR]
-    python -m bench.modes --pair ... --interleave [--rounds 4] [--window 5] [--settle 1] [--window-lives 2] [--window-requests 8] [--settle-lives 0.5] [--sweep [--sweep-rounds K] [--confirm K] [--race K]] [--keep-spans]
+    python -m bench.modes --pair ... --interleave [--rounds 4] [--window 5] [--settle 1] [--window-lives 2] [--window-requests 8] [--settle-lives 0.5] [--sweep [--sweep-rounds K] [--confirm K] [--race K]] [--race-modes K] [--keep-spans]
 
 `--interleave` measures every schedule at N on one router under one unbroken closed loop, in
 windows that take turns (bench/modes_interleaved.py says why: separate runs of one schedule
@@ -23,7 +23,9 @@ K cycles more (`contenders`), with sync, eager and delayed in each of those cycl
 measured best B is also read with each window against its cycle's sync and eager windows
 (`blocked_best_B_measured`, bench.modes_interleaved.blocked). `--race K` then races the
 predicted best point against the best other one in K pairs of fresh windows, which decide the
-measured best B (`race_best_B_measured`; bench.modes_interleaved.race_read says why).
+measured best B (`race_best_B_measured`; bench.modes_interleaved.race_read says why), and
+`--race-modes K` races delayed against the better of sync and eager at every N
+(`race_delayed`: the ratio and its standard error).
 
 The chain describes a stationary closed loop: N requests in flight at spread phases. Clients that
 start together with equal lengths stay in step instead (every prompt of a cohort prefilled at
@@ -172,6 +174,9 @@ def summarise(n: int, results: dict, pred: dict, sweep: dict) -> dict:
     if "delayed" in t and ("sync" in t or "eager" in t):
         out["delayed_over_best_of_sync_eager"] = t["delayed"] / max(t.get("sync", 0), t.get("eager", 0))
         out["steady_delayed_over_best"] = steady["delayed"] / max(steady.get("sync", 0), steady.get("eager", 0))
+        if "race" in runs["delayed"]:  # raced window by window against the better of sync and eager
+            r = runs["delayed"]["race"]
+            out["race_delayed"] = {"against": r["against"], **race_read(r["tok_s"], r["against_tok_s"])}
         rounds = [r.get("rounds_tok_s") for r in runs.values()]
         if all(rounds) and len({len(x) for x in rounds}) == 1:
             # round by round (the three modes of a round ran back to back, so a slow stretch of the
@@ -370,6 +375,13 @@ async def interleaved_at(pair, n: int, args, prof, tpl_P, tpl_C, sweep: bool) ->
                 pred = await asyncio.to_thread(model_at, prof, served + windows["delayed"], tpl_P, tpl_C, n)
                 pred["sync_eager_fit"] = {k: alone[k] for k in FIT_KEYS}
                 raced = await race(loop, n, args, windows, points, pred, (sched, th, names), periods, in_cycle)
+                if args.race_modes:
+                    # delayed against the better of sync and eager so far (pooled, as the ratio reads
+                    # them), on prompts of cycles after the sweep's race
+                    best = max(("sync", "eager"), key=lambda m: pooled(windows[m])["tok_s"])
+                    mode_race = await race_windows(
+                        loop, f"N={n} race delayed / {best}", {"delayed": (sched, th), best: (best, ones)},
+                        args.race_modes, args.rounds + args.confirm + (args.race if raced else 0), periods, in_cycle)
     pred["first_round"] = {k: first_pred[k] for k in FIT_KEYS}
     results = {}
     for key, _, _ in modes:
@@ -378,6 +390,10 @@ async def interleaved_at(pair, n: int, args, prof, tpl_P, tpl_C, sweep: bool) ->
         if key != "delayed":
             results[f"{key}@{n}"].pop("schedule")
             results[f"{key}@{n}"].pop("thresholds")
+    if args.race_modes:
+        other = next(k for k in mode_race if k != "delayed")
+        results[f"delayed@{n}"]["race"] = {"against": other, "tok_s": mode_race["delayed"],
+                                           "against_tok_s": mode_race[other]}
     sweep_out = {}
     ref = cycle_reference(windows)
     for key, run_windows in point_windows(windows, points, sched, th, names).items():
@@ -394,9 +410,8 @@ async def race(loop: SteadyLoop, n: int, args, windows: dict, points: list, pred
                periods: tuple, in_cycle: Callable) -> dict[str, list[float]]:
     """With --race K: the chain's best sweep point (the final prediction's, as `sweep_read` reads
     it) against the best other point, each window against its cycle (`blocked`), in K pairs of
-    windows after every cycle (`race_order`; a pair serves one fresh list of prompts).
-    -> {point: its race windows' tok/s} ({} without a race). bench.modes_interleaved.race_read says
-    why a race decides the measured best B, and reads it."""
+    windows after every cycle. -> {point: its race windows' tok/s} ({} without a race).
+    bench.modes_interleaved.race_read says why a race decides the measured best B, and reads it."""
     if not args.race or len(points) < 2:
         return {}
     by = point_windows(windows, points, *ran)
@@ -404,10 +419,17 @@ async def race(loop: SteadyLoop, n: int, args, windows: dict, points: list, pred
     a = max(by, key=lambda k: pred["by_thresholds"][k])
     b = max((k for k in by if k != a), key=lambda k: blocked(by[k], ref))
     thresholds = {key: t for key, _, t in points}
-    first = args.rounds + args.confirm  # the prompts of cycles not served before
-    out: dict[str, list[float]] = {a: [], b: []}
-    for i, key in enumerate(tqdm(race_order(a, b, args.race), desc=f"N={n} race {a} / {b}", leave=False)):
-        out[key].append((await loop.measure("delayed", thresholds[key], *periods, prompts=in_cycle(first + i // 2)))["tok_s"])
+    return await race_windows(loop, f"N={n} race {a} / {b}", {a: ("delayed", thresholds[a]), b: ("delayed", thresholds[b])},
+                              args.race, args.rounds + args.confirm, periods, in_cycle)
+
+
+async def race_windows(loop: SteadyLoop, label: str, two: dict[str, tuple[str, dict]], pairs: int, first: int,
+                       periods: tuple, in_cycle: Callable) -> dict[str, list[float]]:
+    """Two schedules ({name: (schedule, thresholds)}) in `pairs` pairs of windows (`race_order`),
+    pair k serving cycle first + k's prompts (cycles not served before). -> {name: tok/s per window}."""
+    out: dict[str, list[float]] = {k: [] for k in two}
+    for i, key in enumerate(tqdm(race_order(*two, pairs), desc=label, leave=False)):
+        out[key].append((await loop.measure(*two[key], *periods, prompts=in_cycle(first + i // 2)))["tok_s"])
     return out
 
 
@@ -519,6 +541,9 @@ def main(argv=None) -> int:
     ap.add_argument("--race", type=int, default=0, metavar="K",
                     help="with --interleave --sweep: then the predicted best point against the best other one, "
                          "in K pairs of windows (bench.modes_interleaved.race_read), which decide the measured best B")
+    ap.add_argument("--race-modes", type=int, default=0, metavar="K",
+                    help="with --interleave: at every N, delayed against the better of sync and eager in K pairs "
+                         "of windows (bench.modes_interleaved.race_read)")
     ap.add_argument("--sweep-at", default=None, metavar="N,...",
                     help="with --sweep: only at these N (default: every N > 1); a sweep at N is N points x --rounds runs")
     ap.add_argument("--no-stagger", dest="stagger", action="store_false",
@@ -553,8 +578,8 @@ def main(argv=None) -> int:
         ap.error(f"modes must be sync, eager, delayed (got {unknown}) and N >= 1")
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
-    if (args.confirm or args.race) and not args.interleave:
-        ap.error("--confirm and --race apply to --interleave --sweep")
+    if (args.confirm or args.race or args.race_modes) and not args.interleave:
+        ap.error("--confirm, --race and --race-modes apply to --interleave")
     if args.sweep_rounds is not None and not args.interleave:
         ap.error("--sweep-rounds applies to --interleave (separate runs sweep --rounds times)")
     if args.interleave:
@@ -568,6 +593,8 @@ def main(argv=None) -> int:
             ap.error("--confirm K >= 0 needs --sweep, and --confirm-margin is a share in [0, 1)")
         if args.race < 0 or (args.race and not args.sweep):
             ap.error("--race K >= 0 needs --sweep")
+        if args.race_modes < 0:
+            ap.error(f"--race-modes K must be >= 0, got {args.race_modes}")
         if args.sweep_rounds is not None and not 1 <= args.sweep_rounds <= args.rounds:
             ap.error(f"--sweep-rounds must be between 1 and --rounds ({args.rounds}), got {args.sweep_rounds}")
         if args.window <= 0 or args.window_requests < 1 or min(args.settle, args.window_lives, args.settle_lives) < 0:
@@ -616,7 +643,7 @@ def main(argv=None) -> int:
             "interleave": {"window_s": args.window, "settle_s": args.settle, "window_lives": args.window_lives,
                            "window_requests": args.window_requests, "settle_lives": args.settle_lives,
                            "cycles": args.rounds, "sweep_cycles": args.sweep_rounds or args.rounds,
-                           "confirm_cycles": args.confirm, "race_pairs": args.race,
+                           "confirm_cycles": args.confirm, "race_pairs": args.race, "race_modes_pairs": args.race_modes,
                            "prompts": "each cycle's windows the same (cycle_prompt)",
                            "prefix_caching": False} if args.interleave else None,
             "profile": {**prof.describe(), "outside_load_cores": prof_load},

@@ -211,3 +211,15 @@ def test_sweep_runs_every_point_each_round_in_turn_and_keeps_medians():
     assert [out[b]["tok_s"] for b in out] == [85.0, 90.0, 95.0]
     assert [out[b]["steady_tok_s"] for b in out] == [86.0, 91.0, 96.0]
     assert out["2,1"]["rounds_tok_s"] == [100.0, 85.0, 70.0]
+
+
+def test_summary_reads_delayed_raced_against_the_better_of_sync_and_eager():
+    pred = {"best_thresholds": [1, 1], "by_thresholds": {}, "startup": {"best_thresholds": [1, 1]}}
+    results = {f"{m}@4": {"tok_s": t, "steady_tok_s": t, "predicted_tok_s": t, "startup_predicted_tok_s": t}
+               for m, t in (("sync", 90.0), ("eager", 100.0), ("delayed", 95.0))}
+    s = summarise(4, results, pred, {})
+    assert s["delayed_over_best_of_sync_eager"] == pytest.approx(0.95) and "race_delayed" not in s
+    # window by window, delayed 2 % over and 4 % under eager on the same prompts
+    results["delayed@4"]["race"] = {"against": "eager", "tok_s": [102.0, 48.0], "against_tok_s": [100.0, 50.0]}
+    r = summarise(4, results, pred, {})["race_delayed"]
+    assert r["against"] == "eager" and r["pairs"] == 2 and r["ratio"] == pytest.approx((1.02 * 0.96) ** 0.5)
