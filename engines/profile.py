@@ -28,7 +28,7 @@ from engines.sequence import Sequence
 StepWrap = Callable[[int, Callable[..., object]], Callable[..., object]]
 
 
-class _DecodeBatch:
+class DecodeBatch:
     """`b` private sequences on `engine`, prefilled; each `step()` decodes one token for all.
 
     Positions run in a ring of `window` tokens after the prompt (the KV of the ring's start is
@@ -99,7 +99,7 @@ async def profile_dispatched_latency(engine: Engine, executor: Executor, batch_s
     loop = asyncio.get_running_loop()
     out: dict[int, float] = {}
     for b in batch_sizes:
-        batch = await loop.run_in_executor(executor, lambda: _DecodeBatch(engine, b, prompt_len, window=16))
+        batch = await loop.run_in_executor(executor, lambda: DecodeBatch(engine, b, prompt_len, window=16))
         try:
             await loop.run_in_executor(executor, batch.prefill)
             times: list[float] = []
@@ -128,7 +128,7 @@ def profile_step_latency(engine: Engine, shapes: Seq[tuple[int, int]], steps: in
     for b, t in shapes:
         if b < 1 or t < 1:
             raise ValueError(f"step shape {(b, t)}: batch and tokens per sequence must be >= 1")
-        batch = _DecodeBatch(engine, b, prompt_len, window=(steps + warmup) * t + 1)
+        batch = DecodeBatch(engine, b, prompt_len, window=(steps + warmup) * t + 1)
         try:
             batch.prefill()
             times = []
@@ -191,7 +191,7 @@ def _checkpoint_id(engine: Engine) -> list:
     return sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(path).iterdir() if f.is_file())
 
 
-def _loop(batch: _DecodeBatch, run: Callable[..., object], quota: int, done: list[threading.Event], me: int,
+def _loop(batch: DecodeBatch, run: Callable[..., object], quota: int, done: list[threading.Event], me: int,
           log: list[tuple[float, float]]) -> None:
     """Step until this model and the other have each made their quota (so each one's measured
     steps overlap the other's stepping throughout)."""
@@ -212,12 +212,12 @@ def _busy_share(spans: list[tuple[float, float]], other: list[tuple[float, float
 
 def _measure_pair(engines: Seq[Engine], executors: Seq[Executor], runs: Seq[Callable[..., object]],
                   i: int, bi: int, j: int, bj: int, steps: int, warmup: int, window: int) -> list[ContentionSample]:
-    x, y = _DecodeBatch(engines[i], bi, window=window, salt=1), _DecodeBatch(engines[j], bj, window=window, salt=2)
+    x, y = DecodeBatch(engines[i], bi, window=window, salt=1), DecodeBatch(engines[j], bj, window=window, salt=2)
     try:
         executors[i].submit(x.prefill).result()
         executors[j].submit(y.prefill).result()
 
-        def solo(batch: _DecodeBatch, run: Callable[..., object]) -> list[float]:
+        def solo(batch: DecodeBatch, run: Callable[..., object]) -> list[float]:
             out = []
             for k in range(steps + warmup):
                 t0 = time.perf_counter()
