@@ -37,21 +37,24 @@ BURSTS_MS = (0.5, 2.0)  # 0.5 ms a burst: about a fifth of one core, 2 ms: half
 _BUF = bytes(range(256)) * 4096  # 1 MiB: sha256 releases the GIL while it hashes a buffer this size
 
 
-def _python_burst(ms: float) -> None:
-    end = time.perf_counter() + ms / 1e3
+def _python_work() -> None:
     x = 0
-    while time.perf_counter() < end:
-        for i in range(200):
-            x += i * i
+    for i in range(200):
+        x += i * i
 
 
-def _gil_free_burst(ms: float) -> None:
+def _gil_free_work() -> None:
+    hashlib.sha256(_BUF).digest()
+
+
+def _burst(work, ms: float) -> None:
+    """Call `work` over and over for `ms` milliseconds."""
     end = time.perf_counter() + ms / 1e3
     while time.perf_counter() < end:
-        hashlib.sha256(_BUF).digest()
+        work()
 
 
-BURSTS = {"python": _python_burst, "gil_free": _gil_free_burst}
+BURSTS = {"python": _python_work, "gil_free": _gil_free_work}  # a burst's unit of work, by kind
 
 
 def median_step_ms(step, threads: int, seconds: float, burst: str | None = None, burst_ms: float = 0.0) -> float:
@@ -71,7 +74,7 @@ def median_step_ms(step, threads: int, seconds: float, burst: str | None = None,
 
     def background() -> None:
         while not stop.is_set():
-            BURSTS[burst](burst_ms)
+            _burst(BURSTS[burst], burst_ms)
             time.sleep(GAP_MS / 1e3)
 
     threads_ = [threading.Thread(target=worker)] + ([threading.Thread(target=background)] if burst else [])

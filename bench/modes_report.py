@@ -13,11 +13,16 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:+.1f}%"
 
 
+def _race(r: dict) -> str:
+    """A race's reading (bench.modes_interleaved.race_read): its pairs and standard error."""
+    return f"({r['pairs']} pairs; +-{100 * r['log_se']:.1f}%)"
+
+
 def _race_cell(s: dict) -> str:
     r = s.get("race")
     return "- | " if r is None else (f"{s['race_best_B_measured']} ({s['best_B_predicted']} / {r['against']} "
                                      f"{r['ratio']:.3f}), {_pct(s['race_measured_loss_at_predicted_best'])} "
-                                     f"({r['pairs']} pairs; +-{100 * r['log_se']:.1f}%) | ")
+                                     f"{_race(r)} | ")
 
 
 def markdown(data: dict) -> str:
@@ -53,7 +58,7 @@ def markdown(data: dict) -> str:
         out.append(f"| {n} | {cell['sync']} | {cell['eager']} | {ran} | {cell['delayed']} | "
                    f"{'-' if ratio is None else f'**{ratio:.3f}**'}"
                    + (f" (by round {summ[n]['delayed_over_best_by_round']:.3f})" if "delayed_over_best_by_round" in summ[n] else "")
-                   + (f"; race against {rd['against']}: **{rd['ratio']:.3f}** ({rd['pairs']} pairs; +-{100 * rd['log_se']:.1f}%)"
+                   + (f"; race against {rd['against']}: **{rd['ratio']:.3f}** {_race(rd)}"
                       if (rd := summ[n].get("race_delayed")) else "")
                    + f" | {loads} |")
     alone = all("sync_eager_fit" in summ[n] for n in pred)  # runs before it had the sync/eager fit only
