@@ -190,3 +190,28 @@ def predicted_for(pred: dict, mode: str, thresholds: tuple[int, ...] | None) -> 
         return pred["eager_tok_s"]
     return pred["by_thresholds"][",".join(map(str, thresholds))]
 
+
+def model_at(prof, seen: list[dict], tpl_P: np.ndarray, tpl_C: np.ndarray, n: int) -> dict:
+    """The chain's prediction at N from the runs `seen` (sync and eager; interleaved, delayed's
+    windows too): routing, tokens per request-step and the loop's cost per step as they observed
+    them, on the profile refitted to their forwards (as a runtime re-solve would), with the
+    start-up profile's prediction beside it."""
+    P, tau = observed_routing(seen, prof.names) if seen else (tpl_P, np.ones(2))
+    overhead = observed_overhead(seen, prof.names) if seen else np.zeros(2)
+    startup = predict(prof, P, tpl_C, tau, n, overhead)
+    served, fit = served_profile(prof, seen) if seen else (prof, None)
+    pred = predict(served, P, tpl_C, tau, n, overhead)
+    pred["startup"] = startup
+    pred["served_fit"] = None if fit is None else {"scales": fit.scales, "slopes": fit.slopes, "kappa": fit.kappa,
+                                                  "steps": fit.steps, "runs": len(seen)}
+    return pred
+
+
+# what a prediction keeps of an earlier fit beside it (its first cycle's, its sync and eager fit)
+FIT_KEYS = ("schedule", "best_thresholds", "best_tok_s", "eager_tok_s", "sync_tok_s", "by_thresholds", "served_fit")
+
+
+def delayed_choice(pred: dict, names: list[str]) -> tuple[str, dict[str, int]]:
+    """(schedule, thresholds) delayed batching runs at N: the model's best of delayed(B*), eager, sync."""
+    sched = pred["schedule"][0]
+    return sched, dict(zip(names, pred["best_thresholds"] if sched == "delayed" else (1,) * len(names)))

@@ -37,7 +37,7 @@ def test_observed_routing_counts_tau_in_the_steady_window_where_every_run_has_on
 
 def test_window_steps_counts_steps_that_start_inside_and_knows_when_spans_were_dropped():
     from aiorouter.metrics import SPANS_KEPT
-    from bench.modes import window_steps
+    from bench.modes_interleaved import window_steps
     spans = [(0.0, 0.5, 2, 10), (0.5, 1.0, 3, 3), (1.0, 1.5, 1, 96), (2.0, 2.5, 4, 4)]
     assert window_steps(spans, (0.5, 2.0)) == (4, 99)
     assert window_steps([], (0.0, 1.0)) == (0, 0)
@@ -47,7 +47,7 @@ def test_window_steps_counts_steps_that_start_inside_and_knows_when_spans_were_d
 
 
 def test_stagger_spreads_first_requests_over_one_request():
-    from bench.modes import stagger
+    from bench.modes_cycles import stagger
     assert [stagger(64, 4, k) for k in range(4)] == [16, 32, 48, 64]
     assert stagger(64, 1, 0) == 64 and stagger(3, 16, 0) == 1
 
@@ -195,7 +195,8 @@ def test_served_profile_scales_the_profile_to_the_runs_forwards():
 
 
 def test_sweep_runs_every_point_each_round_in_turn_and_keeps_medians():
-    from bench.modes import SWEEP_KEYS, run_sweep
+    from bench.modes import run_sweep
+    from bench.modes_cycles import SWEEP_KEYS
     calls, readings = [], iter([100, 90, 80, 110, 95, 85, 120, 70, 90])
 
     def run(th):

@@ -144,7 +144,7 @@ def _window(tok_s: float, seconds: float = 1.0) -> dict:
 
 
 def test_a_sweep_point_pools_the_delayed_windows_that_ran_its_schedule():
-    from bench.modes import point_windows
+    from bench.modes_cycles import point_windows
     names = ["small", "large"]
     points = [("1,1", "delayed", {}), ("1,2", "delayed", {})]
     w = {"1,1": [_window(10)], "1,2": [_window(20)], "delayed": [_window(30), _window(40)]}
@@ -156,7 +156,7 @@ def test_a_sweep_point_pools_the_delayed_windows_that_ran_its_schedule():
 
 
 def test_contenders_are_the_points_near_the_measured_top_and_the_predicted_best():
-    from bench.modes import contenders
+    from bench.modes_cycles import contenders
     by_point = {"1,1": [_window(100)], "1,2": [_window(95), _window(93)], "1,3": [_window(90)], "1,4": [_window(80)]}
     # the chain's best among the points swept (its overall best, (2, 3) here, was not swept)
     pred = {"best_thresholds": [2, 3], "by_thresholds": {"1,1": 1.0, "1,2": 1.1, "1,3": 1.2, "1,4": 1.3, "2,3": 2.0}}
@@ -166,7 +166,7 @@ def test_contenders_are_the_points_near_the_measured_top_and_the_predicted_best(
 
 
 def test_contenders_can_rank_the_points_by_another_rate():
-    from bench.modes import contenders
+    from bench.modes_cycles import contenders
     by_point = {"1,1": [_window(100)], "1,2": [_window(80)], "1,3": [_window(60)]}
     pred = {"by_thresholds": {"1,1": 1.0, "1,2": 1.0, "1,3": 2.0}}
     slowest_first = lambda w: 1000.0 / w[0]["tok_s"]  # noqa: E731
@@ -196,7 +196,7 @@ def test_a_blocked_rate_reads_each_window_against_its_cycle():
 
 
 def test_the_sweep_cycles_are_spread_over_the_run():
-    from bench.modes import spread
+    from bench.modes_cycles import spread
     assert spread(3, 6) == {0, 2, 4} and spread(3, 8) == {0, 2, 5} and spread(6, 6) == set(range(6))
     assert spread(1, 6) == {0}
 
@@ -233,7 +233,7 @@ def test_the_summary_reads_the_race_for_the_predicted_best():
 
 async def test_a_race_measures_the_predicted_best_against_the_best_other_point_on_fresh_prompts():
     from types import SimpleNamespace
-    from bench.modes import race
+    from bench.modes_cycles import race
     names = ["small", "large"]
     points = [(f"1,{b}", "delayed", {"small": 1, "large": b}) for b in (1, 2, 3)]
     # (1, 3) measured best so far, (1, 2) predicted best: those two race, (1, 1) does not
