@@ -155,9 +155,8 @@ async def interleaved_at(pair, n: int, args, prof, tpl_P, tpl_C, sweep: bool) ->
             results[f"{key}@{n}"].pop("schedule")
             results[f"{key}@{n}"].pop("thresholds")
     if args.race_modes:
-        other = next(k for k in mode_race if k != "delayed")
-        results[f"delayed@{n}"]["race"] = {"against": other, "tok_s": mode_race["delayed"],
-                                           "against_tok_s": mode_race[other]}
+        results[f"delayed@{n}"]["race"] = {"against": best, "tok_s": mode_race["delayed"],
+                                           "against_tok_s": mode_race[best]}
     sweep_out = {}
     ref = cycle_reference(windows)
     for key, run_windows in point_windows(windows, points, sched, th, names).items():
