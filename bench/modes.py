@@ -152,7 +152,9 @@ def summarise(n: int, results: dict, pred: dict, sweep: dict) -> dict:
         out["steady_delayed_over_best"] = steady["delayed"] / max(steady.get("sync", 0), steady.get("eager", 0))
         if "race" in runs["delayed"]:  # raced window by window against the better of sync and eager
             r = runs["delayed"]["race"]
-            out["race_delayed"] = {"against": r["against"], **race_read(r["tok_s"], r["against_tok_s"])}
+            out["race_delayed"] = {"against": r["against"], **race_read(r["tok_s"], r["against_tok_s"]),
+                                   # the chain picked the opponent's schedule: one schedule against itself
+                                   "same_schedule": runs["delayed"].get("schedule") == r["against"]}
         rounds = [r.get("rounds_tok_s") for r in runs.values()]
         if all(rounds) and len({len(x) for x in rounds}) == 1:
             # round by round (the three modes of a round ran back to back, so a slow stretch of the

@@ -58,7 +58,8 @@ def markdown(data: dict) -> str:
         out.append(f"| {n} | {cell['sync']} | {cell['eager']} | {ran} | {cell['delayed']} | "
                    f"{'-' if ratio is None else f'**{ratio:.3f}**'}"
                    + (f" (by round {summ[n]['delayed_over_best_by_round']:.3f})" if "delayed_over_best_by_round" in summ[n] else "")
-                   + (f"; race against {rd['against']}: **{rd['ratio']:.3f}** {_race(rd)}"
+                   + (f"; race against {rd['against']}" + (" (the same schedule)" if d.get("schedule") == rd["against"] else "")
+                      + f": **{rd['ratio']:.3f}** {_race(rd)}"
                       if (rd := summ[n].get("race_delayed")) else "")
                    + f" | {loads} |")
     alone = all("sync_eager_fit" in summ[n] for n in pred)  # runs before it had the sync/eager fit only

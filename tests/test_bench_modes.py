@@ -224,3 +224,6 @@ def test_summary_reads_delayed_raced_against_the_better_of_sync_and_eager():
     results["delayed@4"]["race"] = {"against": "eager", "tok_s": [102.0, 48.0], "against_tok_s": [100.0, 50.0]}
     r = summarise(4, results, pred, {})["race_delayed"]
     assert r["against"] == "eager" and r["pairs"] == 2 and r["ratio"] == pytest.approx((1.02 * 0.96) ** 0.5)
+    assert r["same_schedule"] is False  # no schedule recorded for delayed: not known to be eager's
+    results["delayed@4"]["schedule"] = "eager"  # the chain picked eager: eager raced itself
+    assert summarise(4, results, pred, {})["race_delayed"]["same_schedule"] is True

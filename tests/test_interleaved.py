@@ -254,3 +254,26 @@ async def test_a_race_measures_the_predicted_best_against_the_best_other_point_o
     assert all(x > 0 for v in got.values() for x in v)
     # four windows, two a pair: pair k serves cycle 4 + k's prompts (after 3 cycles and 1 confirm cycle)
     assert sorted({c for c, _ in asked}) == [4, 5]
+
+
+async def test_the_modes_race_puts_delayed_against_the_better_of_sync_and_eager_on_fresh_prompts():
+    from types import SimpleNamespace
+    from bench.modes_cycles import race_modes
+    names = ["small", "large"]
+    # sync pooled higher than eager so far: delayed races sync
+    windows = {"sync": [_in_cycle(110, 0)], "eager": [_in_cycle(100, 0)], "delayed": [_in_cycle(120, 0)]}
+    asked = []
+    in_cycle = lambda c: (lambda i: asked.append((c, i)) or [10 + c, 11 + i, 3])  # noqa: E731
+    ran = ("delayed", {"small": 1, "large": 2}, names)
+    periods = (0.02, 0.1, 0.0, 0.0, 2)
+    async with Router(SIM, **ARGS, mode="delayed", thresholds={"small": 1, "large": 1}, max_concurrency=4) as r:
+        async with SteadyLoop(r, 2, lambda i: [1, 2, i % 50], 6) as loop:
+            await loop.ramped.wait()
+            got = await race_modes(loop, 2, SimpleNamespace(race_modes=3), windows, ran, periods, in_cycle, first=7)
+            none = await race_modes(loop, 2, SimpleNamespace(race_modes=0), windows, ran, periods, in_cycle, first=7)
+            last = r.schedule(2)  # pairs in turn delayed, sync / sync, delayed / delayed, sync
+    assert got["against"] == "sync" and len(got["tok_s"]) == len(got["against_tok_s"]) == 3 and none == {}
+    assert last == "sync"
+    assert all(x > 0 for x in got["tok_s"] + got["against_tok_s"])
+    # six windows, two a pair: pair k serves cycle 7 + k's prompts
+    assert sorted({c for c, _ in asked}) == [7, 8, 9]
