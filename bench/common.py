@@ -200,6 +200,13 @@ async def wait_healthy(url: str, timeout: float = 300, interval: float = 0.5) ->
     raise TimeoutError(f"{url} never became healthy")
 
 
+def rotated(items: list, k: int) -> list:
+    """items starting at index k % len(items), wrapping round: round k of a rotating order
+    (the benchmarks' schedules take turns in it, so drift reaches each alike)."""
+    k = k % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 def write_json(name: str, data: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

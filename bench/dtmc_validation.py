@@ -32,8 +32,7 @@ from tqdm import tqdm
 
 from aiorouter import Router
 from aiorouter.tuning import SystemSpec, solve_grid
-from bench.common import RESULTS, write_json
-from bench.modes_cycles import rotated
+from bench.common import RESULTS, rotated, write_json
 
 P, L0, L1 = 0.35, 6.0, 27.9
 

@@ -63,9 +63,8 @@ from tqdm import tqdm
 
 from aiorouter import Router
 from bench import workloads as W
-from bench.common import RESULTS, OutsideLoad, cache_dir, closed_loop, machine
-from bench.modes_cycles import (SWEEP_KEYS, WARMUP_TOKENS, interleaved_at, interleaved_policy_args, rotated,
-                                stagger)
+from bench.common import RESULTS, OutsideLoad, cache_dir, closed_loop, machine, rotated
+from bench.modes_cycles import SWEEP_KEYS, WARMUP_TOKENS, interleaved_at, interleaved_policy_args, stagger
 from bench.modes_interleaved import race_read, reset_window, window_steps
 from bench.modes_model import delayed_choice, model_at, predicted_for, profile_pair
 from bench.run import PAIRS, load_pair, tokens_computed

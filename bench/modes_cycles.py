@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from aiorouter import Router
 from bench import workloads as W
-from bench.common import OutsideLoad, closed_loop
+from bench.common import OutsideLoad, closed_loop, rotated
 from bench.modes_interleaved import SteadyLoop, blocked, cycle_reference, pooled, race_order
 from bench.modes_model import FIT_KEYS, delayed_choice, model_at
 
@@ -37,12 +37,6 @@ def spread(k: int, rounds: int) -> set[int]:
     after it, and the machine drifts in between (cpu-tiny, 2026-12-03, N = 16: a large-model step
     at 0.8x the start-up profile in the first cycles, 1.0-1.7x in the last)."""
     return {(i * rounds) // k for i in range(k)}
-
-
-def rotated(items: list, k: int) -> list:
-    """items starting at index k % len(items), wrapping round: round k of a rotating order."""
-    k = k % len(items) if items else 0
-    return items[k:] + items[:k]
 
 
 def fresh_prompt(i: int, vocab: int) -> list[int]:
