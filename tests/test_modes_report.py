@@ -7,14 +7,13 @@ delayed ran its opponent's schedule.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 
+from bench.common import RESULTS
 from bench.modes_report import main, markdown
 
-RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 RUNS = sorted(RESULTS.glob("modes-*/modes.json"))
 
 
@@ -26,11 +25,10 @@ def test_there_are_runs_to_read() -> None:
 def test_every_run_reports_one_row_per_concurrency(path: Path) -> None:
     data = json.loads(path.read_text())
     text = markdown(data)
-    rows = [line for line in text.splitlines() if re.match(r"^\| \d+ \|", line)]
     for n in data["predictions"]:
         # the whole-run table and the predicted-against-measured table, and the sweep's where swept
         want = 2 + (n in data.get("sweep", {}))
-        assert sum(line.startswith(f"| {n} |") for line in rows) == want, (n, text)
+        assert sum(line.startswith(f"| {n} |") for line in text.splitlines()) == want, (n, text)
 
 
 def test_race_cells_are_the_summary_and_mark_the_same_schedule() -> None:
