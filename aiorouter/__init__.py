@@ -12,17 +12,19 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from aiorouter.defaults import DEFAULT_POLICY, DEFAULT_POLICY_ARGS, default_models, default_router
-    from aiorouter.request import GenerateResult, RouterError, StreamEvent
+    from aiorouter.request import GenerateResult, RouterError, RouterUnavailable, StreamEvent
     from aiorouter.router import Prompt, Router
     from aiorouter.spec import ModelSpec
 
 _EXPORTS = {
     "DEFAULT_POLICY": "aiorouter.defaults", "DEFAULT_POLICY_ARGS": "aiorouter.defaults",
     "default_models": "aiorouter.defaults", "default_router": "aiorouter.defaults",
-    "GenerateResult": "aiorouter.request", "RouterError": "aiorouter.request", "StreamEvent": "aiorouter.request",
+    "GenerateResult": "aiorouter.request", "RouterError": "aiorouter.request",
+    "RouterUnavailable": "aiorouter.request", "StreamEvent": "aiorouter.request",
     "Prompt": "aiorouter.router", "Router": "aiorouter.router", "ModelSpec": "aiorouter.spec",
 }
-__all__ = ["Router", "ModelSpec", "Prompt", "StreamEvent", "GenerateResult", "RouterError", "run",
+__all__ = ["Router", "ModelSpec", "Prompt", "StreamEvent", "GenerateResult", "RouterError",
+           "RouterUnavailable", "run",
            "default_models", "default_router", "DEFAULT_POLICY", "DEFAULT_POLICY_ARGS"]
 
 

@@ -9,7 +9,10 @@ token number `after` (counting from 0), so a stream has some tokens out before i
 - "step": the model step that samples for it raises (on whichever model that is);
 - "nan": its row of logits is all NaN; "inf": its row gets a +inf (the rest of the batch is untouched);
 - "route" / "send" / "receive": the policy's route (for the batch that holds the request), send or
-  receive (for the request) raises.
+  receive (for the request) raises;
+- "kill": the model step that samples for it kills that model's subserver (`SubserverKilled`, which
+  no per-request guard catches): a bug outside any request, so tests see the router fail every
+  request at once, answer unhealthy, and restart the subserver (or give up and say so).
 
 The faults go in through the hooks that the engine (`Engine.set_fault_hook`) and the policies
 (`Policy.set_fault_hook`) expose, never by patching a live object. A router has none unless it is
@@ -29,13 +32,19 @@ import torch
 from engines import Sequence as EngineSeq
 from policies.base import ReqView
 
-STEP_KINDS = ("step", "nan", "inf")
+STEP_KINDS = ("step", "nan", "inf", "kill")
 POLICY_KINDS = ("route", "send", "receive")
 KINDS = STEP_KINDS + POLICY_KINDS
 
 
 class InjectedFault(RuntimeError):
     """A failure caused on purpose by a `FaultPlan`."""
+
+
+class SubserverKilled(BaseException):
+    """A subserver killed on purpose. A BaseException, as SystemExit is: the runtime fails a request
+    for any Exception its serving raises and goes on, so only this gets past those guards and ends
+    the subserver's task, as a bug in the runtime itself would."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,8 @@ class FaultPlan:
             kind = self.kind_of(seq.token_ids, seq.num_prompt_tokens)
             if kind == "step":
                 raise InjectedFault("injected step fault: the model step raised (test-only fault plan)")
+            if kind == "kill":
+                raise SubserverKilled("injected kill: this model's subserver dies (test-only fault plan)")
             if kind == "nan":
                 logits[row] = float("nan")
             elif kind == "inf":

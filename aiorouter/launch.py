@@ -89,6 +89,18 @@ class LaunchControl:
         if isinstance(msg, (NewRequest, Handoff)):
             self.in_flight -= 1
 
+    def reset(self, model: int) -> list[object]:
+        """`model`'s subserver died and restarts: its inbox is emptied (the messages name requests
+        the router has failed, and sequences of the engine state it drops) -> those messages. It
+        has nothing ready, is owed by no round, and is not kicked."""
+        inbox, dropped = self.inboxes[model], []
+        while not inbox.empty():
+            dropped.append(inbox.get_nowait())
+            self.handled(dropped[-1])
+        self.kicked[model] = False
+        self.set_ready(model, 0)
+        return dropped
+
     def wake_all(self, but: int | None = None) -> None:
         for i in range(self.num_models):
             if i != but:

@@ -70,6 +70,7 @@ class RouterMetrics:
     requests_finished: Counter = field(default_factory=Counter)  # finish reason -> count
     requests_failed: int = 0
     active: int = 0
+    subserver_restarts: Counter = field(default_factory=Counter)  # model name -> restarts after its task died
 
     @property
     def tokens_committed(self) -> int:

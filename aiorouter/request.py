@@ -33,6 +33,11 @@ class RouterError(RuntimeError):
     """A request failed inside the router (a model's step raised, a policy misbehaved)."""
 
 
+class RouterUnavailable(RouterError):
+    """The router takes no request now: a model's subserver died and is restarting (retry shortly),
+    or it died more often than the router restarts it (`Router.dead`: a new router is needed)."""
+
+
 @dataclass(eq=False)
 class RouterRequest:
     rid: str

@@ -37,7 +37,12 @@ class RequestTable:
         for t in tokens:
             if req.finished:
                 return
-            c = req.out.append(t)
+            try:
+                c = req.out.append(t)
+            except Exception as e:  # detokenizing or a stop check raised: this request fails, not its model
+                self.fail(req, RouterError(f"committing output token {req.num_output_tokens} (id {t}) from model "
+                                           f"{name!r} failed: {e!r}"))
+                return
             req.trace.append(model)
             self.metrics.models[name].tokens_committed += 1
             if req.t_first_token is None:
@@ -49,23 +54,36 @@ class RequestTable:
     def finish(self, req: RouterRequest, reason: str = "stop") -> None:
         """End a request that committed no stop token (a policy's finished PeerReq)."""
         if not req.finished:
-            text = req.out.finish(reason)
+            try:
+                text = req.out.finish(reason)
+            except Exception as e:  # the held-back text would not decode
+                self.fail(req, RouterError(f"ending the request failed while detokenizing its last text: {e!r}"))
+                return
             req.events.put_nowait(StreamEvent(None, text, None, req.num_output_tokens, reason))
             self._end(req)
 
     def fail(self, req: RouterRequest, err: BaseException) -> None:
-        if req.finished:
+        if self.active.get(req.rid) is not req:  # over already (failing again after a failed finish is fine)
             return
         req.error = err if isinstance(err, RouterError) else RouterError(str(err))
-        req.out.finish("error")
+        self._close_output(req, "error")
         self.metrics.requests_failed += 1
         req.events.put_nowait(req.error)
         self._end(req)
 
     def abort(self, req: RouterRequest) -> None:
         if not req.finished:
-            req.out.finish("abort")
+            self._close_output(req, "abort")
             self._end(req)
+
+    @staticmethod
+    def _close_output(req: RouterRequest, reason: str) -> None:
+        """Mark the output over. Its held-back text is not streamed on an abort or an error, so a
+        detokenizer that raises on it (the reason the request may be failing) changes nothing."""
+        try:
+            req.out.finish(reason)
+        except Exception:
+            pass
 
     def count_handoff(self, src: int, dst: int) -> None:
         self.metrics.handoffs[(self.names[src], self.names[dst])] += 1

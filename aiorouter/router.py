@@ -12,15 +12,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping
+
+import jinja2
 
 from aiorouter import heap
 from aiorouter.cpu_threads import CoreShare, resolve_threads
 from aiorouter.faults import FaultPlan
 from aiorouter.launch import MODES, LaunchControl, parse_thresholds
 from aiorouter.metrics import RouterMetrics
-from aiorouter.request import GenerateResult, NewRequest, RouterError, RouterRequest, StreamEvent
+from aiorouter.request import GenerateResult, NewRequest, RouterError, RouterRequest, RouterUnavailable, StreamEvent
 from aiorouter.requests import RequestTable
 from aiorouter.spec import ModelSpec
 from aiorouter.subserver import Subserver
@@ -37,6 +40,9 @@ log = logging.getLogger("aiorouter")
 # as one user message, /v1/completions a string, /v1/chat/completions messages.
 Prompt = str | list[int] | list[dict[str, str]]
 
+# A subserver that dies more than `max_restarts` times within this window is not restarted again.
+RESTART_WINDOW_S = 600.0
+
 
 class Router:
     def __init__(self, models: Mapping[str, str | Path | dict | ModelSpec | Engine], policy: str | Policy = "single",
@@ -44,14 +50,25 @@ class Router:
                  mode: str = "delayed", thresholds: object = "auto", max_concurrency: int = 64,
                  max_wait_ms: float | None = None, kv_memory_gb: float = 2.0, tune_concurrency: int | None = None,
                  threads: int | Mapping[str, int] | None = None, retune: bool = True,
-                 faults: FaultPlan | None = None):
+                 faults: FaultPlan | None = None, max_restarts: int = 3, restart_delay_s: float = 0.5):
         """`retune`: with thresholds="auto", re-solve the schedule while serving when the routing or
         the served step times drift from what it was solved for (in a child process at idle
         priority; still ~10-15 % of throughput while it runs on a 2-core CPU host, docs/throughput-model.md).
         False keeps the start-up schedule.
+        `max_restarts`, `restart_delay_s`: a request's failure fails that request alone; a model's
+        subserver task that dies anyway (a bug outside any request) fails every request the router
+        holds at once and is restarted with a fresh engine state after `restart_delay_s`, doubled
+        for each restart before it in the last 10 minutes (a crash loop backs off, as supervisors
+        do); meanwhile `health()` names it and `submit` raises RouterUnavailable. After
+        `max_restarts` restarts in 10 minutes it stays down: `dead` says why and `wait_dead()`
+        returns (`aiorouter serve` then exits with status 1, for its supervisor to restart).
         `faults`: test-only, requests that fail on purpose (aiorouter/faults.py); never in production."""
         if not isinstance(retune, bool):
             raise ValueError(f"retune must be True or False, got {retune!r}")
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
+        if not isinstance(restart_delay_s, (int, float)) or not 0 <= restart_delay_s < float("inf"):
+            raise ValueError(f"restart_delay_s must be a finite number >= 0, got {restart_delay_s!r}")
         if not models:
             raise ValueError("a router needs at least one model")
         self.names = list(models)
@@ -85,6 +102,13 @@ class Router:
         self.streams = StreamFactory()  # every model's CUDA streams are its own (engines/streams.py)
         self._models: list[ModelInfo] = []  # what each model is, for the policy's setup
         self._extra_rows: list[int] = []  # per model: output rows past the shared vocabulary
+        self.max_restarts, self.restart_delay_s = max_restarts, float(restart_delay_s)
+        self._down: dict[str, str] = {}  # model -> why its subserver is not serving now
+        self._restarts: list[float] = []  # when each restart within RESTART_WINDOW_S happened
+        self._restarting: set[asyncio.Task] = set()
+        self._closing = False
+        self.dead: str | None = None  # why this router serves no more (a subserver past max_restarts)
+        self._dead_event: asyncio.Event | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> "Router":
@@ -128,9 +152,8 @@ class Router:
             self.policy.set_fault_hook(self.faults.on_policy)
             for e in engines:
                 e.set_fault_hook(self.faults.on_step)
-        self._tasks = [asyncio.create_task(s.run(), name=f"aiorouter-{s.name}") for s in self.subservers]
-        for t in self._tasks:
-            t.add_done_callback(self._on_task_done)
+        self._dead_event, self.dead, self._down, self._restarts = asyncio.Event(), None, {}, []
+        self._tasks = [self._run_subserver(s) for s in self.subservers]
         heap.hold()  # start-up objects out of the cyclic GC while this router serves (aiorouter.heap)
         self._holds_heap = True
         return self
@@ -184,10 +207,60 @@ class Router:
         planned = resolve_threads(self.threads, self.names, [e.num_params if c else 0 for e, c in zip(engines, on_cpu)])
         return [t if c else 1 for t, c in zip(planned, on_cpu)]
 
-    def _on_task_done(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("subserver task %s died: %r", task.get_name(), task.exception())
-            self._requests.fail_all(RouterError(f"router task {task.get_name()} died: {task.exception()!r}"))
+    def _run_subserver(self, s: Subserver) -> asyncio.Task:
+        task = asyncio.create_task(s.run(), name=f"aiorouter-{s.name}")
+        task.add_done_callback(lambda t, i=s.index: self._on_task_done(i, t))
+        return task
+
+    def _on_task_done(self, index: int, task: asyncio.Task) -> None:
+        """A subserver's loop never ends on a request's failure (those fail the request alone), so
+        an ending that is not `close` is a bug: every request fails now, with the reason, rather
+        than wait on a model that will never step; then the model restarts, or the router is dead."""
+        if self._closing or task.cancelled():
+            return
+        name, err = self.names[index], task.exception()
+        why = f"the subserver of model {name!r} died: {err!r}"
+        log.error("%s; failing every request in flight", why, exc_info=err)
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
+        if len(self._restarts) >= self.max_restarts:
+            self.dead = self._down[name] = (
+                f"{why}; it has been restarted {len(self._restarts)} times in the last {RESTART_WINDOW_S:.0f} s "
+                f"(max_restarts={self.max_restarts}), so it stays down")
+        else:
+            delay = self.restart_delay_s * 2 ** len(self._restarts)
+            self._restarts.append(now)
+            self._down[name] = f"{why}; restarting it in {delay:.1f} s"
+            restart = asyncio.get_running_loop().create_task(self._restart(index, delay),
+                                                             name=f"aiorouter-restart-{name}")
+            self._restarting.add(restart)
+            restart.add_done_callback(self._restarting.discard)
+        self._requests.fail_all(RouterUnavailable(f"{self._down[name]}; every request in flight failed"))
+        if self.dead:
+            log.error("router is dead: %s", self.dead)
+            self._dead_event.set()
+
+    async def _restart(self, index: int, delay: float) -> None:
+        await asyncio.sleep(delay)
+        s = self.subservers[index]
+        s.reset()  # on the loop: nothing steps on this model meanwhile, its task is over
+        self._tasks[index] = self._run_subserver(s)
+        del self._down[s.name]
+        self.metrics.subserver_restarts[s.name] += 1
+        log.warning("model %s: subserver restarted with a fresh engine state (KV pool, prefix cache, scheduler)",
+                    s.name)
+
+    def health(self) -> dict[str, str]:
+        """Models whose subserver is not serving now -> why (restarting, or down for good when
+        `dead`); empty while every model serves."""
+        return dict(self._down)
+
+    async def wait_dead(self) -> str:
+        """Wait until this router cannot serve any more (see `max_restarts`) -> why."""
+        if self._dead_event is None:
+            raise RuntimeError("router is not started: use `async with Router(...)` or `await router.start()`")
+        await self._dead_event.wait()
+        return self.dead
 
     @property
     def tuned(self) -> bool:
@@ -200,6 +273,10 @@ class Router:
             await self.tuning.wait()
 
     async def close(self) -> None:
+        self._closing = True
+        for r in list(self._restarting):
+            r.cancel()
+        await asyncio.gather(*self._restarting, return_exceptions=True)
         if self.tuning is not None:
             await self.tuning.close()
         if self._requests is not None:
@@ -223,6 +300,7 @@ class Router:
             for s in self.subservers:
                 s.engine.set_fault_hook(None)
         self._tasks = []
+        self._closing = False
         if self._holds_heap:
             heap.release()
             self._holds_heap = False
@@ -306,7 +384,11 @@ class Router:
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
                 raise ValueError("the entry model's tokenizer has no chat template: pass text or token ids")
-            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            try:
+                ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            except (jinja2.TemplateError, TypeError, KeyError) as e:  # the template read the messages and said no
+                raise ValueError(f"the entry model's chat template cannot render these messages: "
+                                 f"{type(e).__name__}: {e}") from None
             return list(ids if isinstance(ids, list) else ids["input_ids"])
         if isinstance(prompt, list):
             return list(prompt)
@@ -320,6 +402,8 @@ class Router:
         server fills omitted fields from the model's generation_config.json instead, as vLLM does."""
         if not self._tasks:
             raise RuntimeError("router is not started: use `async with Router(...)` or `await router.start()`")
+        if self._down:
+            raise RouterUnavailable(self.dead or "; ".join(self._down.values()))
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 min_p=min_p, seed=seed, stop=tuple([stop] if isinstance(stop, str) else (stop or ())),
                                 ignore_eos=ignore_eos)

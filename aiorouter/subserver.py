@@ -51,22 +51,37 @@ class Subserver:
 
     # -- inbox -------------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
-        if isinstance(msg, NewRequest):
-            self._arrive(msg.req, msg.req.token_ids[:])
-        elif isinstance(msg, Handoff):
-            self._receive(msg)
-        elif isinstance(msg, Release):
-            seq = msg.req.local[self.index]
-            if seq is not None and not seq.is_finished:
-                self.engine.release(seq, msg.req.finish_reason or "abort")
-        elif not isinstance(msg, Wake):
-            raise TypeError(f"subserver {self.name}: unknown message {type(msg).__name__}")
-        self.launch.handled(msg)
+        """One inbox message. A request that cannot be admitted or resumed here fails alone; a
+        Release that fails is the engine's state gone wrong, which ends this subserver's task (the
+        router then fails every request and restarts it with a fresh engine state)."""
+        try:
+            if isinstance(msg, (NewRequest, Handoff)):
+                try:
+                    self._arrive(msg.req, msg.req.token_ids[:]) if isinstance(msg, NewRequest) else self._receive(msg)
+                except Exception as e:
+                    log.warning("model %s: request %s failed on arrival: %r", self.name, msg.req.rid, e)
+                    self.requests.fail(msg.req, RouterError(f"model {self.name!r} could not take this request: {e!r}"))
+            elif isinstance(msg, Release):
+                seq = msg.req.local[self.index]
+                if seq is not None and not seq.is_finished:
+                    self.engine.release(seq, msg.req.finish_reason or "abort")
+            elif not isinstance(msg, Wake):
+                raise TypeError(f"subserver {self.name}: unknown message {type(msg).__name__}")
+        finally:
+            self.launch.handled(msg)
 
     def drain(self) -> None:
         inbox = self.launch.inboxes[self.index]
         while not inbox.empty():
             self.handle(inbox.get_nowait())
+        self._report()
+
+    def reset(self) -> None:
+        """After this subserver's task died, before a new one runs: a fresh engine state (weights
+        kept) and an empty inbox. The router has failed every request first, so nothing that
+        either held is still wanted."""
+        self.launch.reset(self.index)
+        self.engine.reset()
         self._report()
 
     def _view(self, req: RouterRequest, sampled: int | None = None, peer: int | None = None) -> ReqView:

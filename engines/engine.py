@@ -210,6 +210,16 @@ class Engine:
         return KVUsage(bm.num_pages, bm.num_used_pages, bm.num_free_pages, bm.num_cached_pages,
                        bm.num_prefix_matches, self.scheduler.num_preemptions, len(self.scheduler.parked))
 
+    def reset(self) -> None:
+        """Forget every sequence: a fresh scheduler, block manager and prefix cache over the same
+        weights and KV pool. What a router does to a model whose subserver died, after it failed
+        every request: the sequences of that state may be half-scheduled, so none of it is kept.
+        The K/V values left in the pool are overwritten before any page table points at them."""
+        ecfg = self.config
+        self.block_manager = BlockManager(ecfg.num_pages, ecfg.page_size, ecfg.enable_prefix_caching)
+        self.scheduler = Scheduler(ecfg, self.block_manager)
+        self._outputs.clear()
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached page that no live sequence holds (a server's cache flush between
         benchmark runs, like SGLang's /flush_cache); returns the pages freed."""

@@ -8,11 +8,19 @@ import torch
 
 from engines.devices import host_tensor
 
+# Seeds as vLLM's OpenAI server takes them: a signed 64-bit integer (torch.long). A seed past it
+# would overflow the generator's seeding inside a model step, so it is refused up front.
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1
+# Below this temperature a request decodes greedily, as vLLM's (its _SAMPLING_EPS): logits / T in
+# float32 overflow to inf for a T near zero (a denormal like 5e-324 is 0 in float32), and softmax
+# of an inf row is NaN. The most probable token is what such a temperature asks for anyway.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (below GREEDY_BELOW) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
@@ -42,12 +50,15 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -127,6 +138,7 @@ def _filter(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         cum = torch.softmax(sorted_x, -1).cumsum(-1)
         # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
         drop = (cum - torch.softmax(sorted_x, -1)) >= p.top_p
+        drop[0] = False  # a top_p below float32's least value (5e-324) compares as 0: keep the first anyway
         x = x.scatter(0, idx, sorted_x.masked_fill(drop, float("-inf")))
     return x
 
@@ -187,5 +199,6 @@ def _filter_batched(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
         tp = host_tensor([p.top_p for p in ps], torch.float32, dev)
         sp = torch.softmax(sx, -1)
         drop = ((sp.cumsum(-1) - sp) >= tp[:, None]) & (tp < 1.0)[:, None]  # top_p 1: keep all
+        drop[:, 0] = False  # the first stays, whatever a tiny top_p rounds to in float32 (see _filter)
         sx = sx.masked_fill(drop, inf)
     return x.scatter(1, order, sx)

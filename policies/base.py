@@ -105,6 +105,13 @@ class Policy:
     per_request: ClassVar[bool] = True  # may a client pick this policy per request (no trained state)?
     fault_hook: PolicyFaultHook | None = None  # test-only: see set_fault_hook
 
+    @classmethod
+    def allows_per_request(cls, args: dict[str, Any]) -> bool:
+        """May a client build this policy with `args` for one request? Asked before it is built: a
+        policy that reads files or imports code named by its arguments must say no to them, or a
+        request could make the server load them (a checkpoint unpickled, a module imported)."""
+        return cls.per_request
+
     def bind(self, model_names: Sequence[str]) -> None:
         """Called once when the router starts (and for a per-request policy, when it is submitted)."""
         if self.num_models is not None and len(model_names) != self.num_models:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import Annotated
 
 import numpy as np
+from pydantic import Field
 
 from policies.base import Policy
 
@@ -20,7 +22,8 @@ class EnsemblePolicy(Policy):
     name = "ensemble"
     commit_on_send = True  # the default send carries the sampled token: it is committed on a move
 
-    def __init__(self, weights: list[float] | tuple[float, ...] = (0.5, 0.3, 0.2), seed: int = 0):
+    def __init__(self, weights: list[float] | tuple[float, ...] = (0.5, 0.3, 0.2),
+                 seed: Annotated[int, Field(ge=0)] = 0):  # the argument schema (policies.argument_schema)
         w = [float(x) for x in weights]
         if len(w) < 2:
             raise ValueError(f"ensemble: needs weights for at least 2 models, got {w}")

@@ -77,14 +77,18 @@ class QueryPolicy(Policy):
             raise ValueError(f"query: scorer {scorer!r} must be 'module:attribute' (or a callable)")
         self.thresholds, self.score = th, score
         # a "module:attribute" scorer is imported at setup, by the server's own router: a client
-        # choosing it per request would name code to run, so a scorer or a classifier is never per request
+        # choosing it per request would name code to run, so a scorer or a classifier is never per
+        # request (allows_per_request)
         self.scorer_spec, self.text_scored = scorer, scorer is not None
         self.scorer = as_scorer(scorer) if scorer is not None and not isinstance(scorer, str) else None
-        self.per_request = scorer is None and classifier is None
         self.head = load_linear_head(classifier) if classifier is not None else None
         self.needs_hidden = self.head is not None
         self.keep_first_token = bool(keep_first_token)
         self.split, self.mean_len = split, float(mean_len)
+
+    @classmethod
+    def allows_per_request(cls, args):  # entropy scores only: a classifier is a file, a scorer is code
+        return args.get("scorer") is None and args.get("classifier") is None
 
     def bind(self, model_names):
         if len(self.thresholds) + 1 != len(model_names):

@@ -12,9 +12,10 @@ same work in each then, not a new draw of the coins.
 from __future__ import annotations
 
 import zlib
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
+from pydantic import Field
 
 from policies.base import SmallLargePolicy
 
@@ -23,7 +24,8 @@ class RandomPolicy(SmallLargePolicy):
     name = "random"
     reads_logits = False  # a coin, not the model's distribution
 
-    def __init__(self, p: float = 0.35, seed: int = 0, key: Literal["request", "prompt"] = "request"):
+    def __init__(self, p: float = 0.35, seed: Annotated[int, Field(ge=0)] = 0,
+                 key: Literal["request", "prompt"] = "request"):
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"random policy: p must be in [0, 1], got {p!r}")
         if key not in ("request", "prompt"):

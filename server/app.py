@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import json
 import logging
 import time
@@ -14,13 +15,21 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 from pydantic import ValidationError
 
-from aiorouter import Router, RouterError
-from policies import make_policy
+from aiorouter import Router, RouterError, RouterUnavailable
+from policies import BUILTIN, PolicyArgumentError, make_policy
+from server.openapi import openapi_document
 from server.prom import render_metrics
 from server.sampling import SamplingDefaults
 from server.schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("aiorouter.server")
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("aiorouter")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "0+unknown"
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,9 @@ class ServerConfig:
     # where omitted sampling fields come from: "auto" (the entry model's generation_config.json),
     # "neutral" (OpenAI's values), or a directory holding a generation_config.json (server/sampling.py)
     generation_config: str = "auto"
+
+
+_PUBLIC = frozenset({"/health", "/openapi.json"})  # answered without the API key, as vLLM's
 
 
 class ApiError(Exception):
@@ -68,6 +80,7 @@ class Server:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
 
     # -- middlewares ---------------------------------------------------------------------------
@@ -86,7 +99,7 @@ class Server:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if self.cfg.api_key and request.path != "/health":
+        if self.cfg.api_key and request.path not in _PUBLIC:
             got = request.headers.get("Authorization", "")
             if not hmac.compare_digest(got.encode(), f"Bearer {self.cfg.api_key}".encode()):
                 raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
@@ -95,9 +108,19 @@ class Server:
 
     # -- plain endpoints -----------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
+        # A dead model is named first, even while draining: the server drains *because* of it, and an
+        # orchestrator's log should say why rather than just "shutting down".
+        down = self.router.health() if self.ready else {}
+        if down:  # a model's subserver died: restarting, or (router.dead) down until the process restarts
+            return error_response(503, "; ".join(f"model {m!r} is down: {why}" for m, why in down.items()),
+                                  "unavailable")
         if not self.ready or self.draining:
             return error_response(503, "not ready" if not self.ready else "shutting down", "unavailable")
         return web.json_response({"status": "ok"})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi_document(served_model_name=self.cfg.served_model_name,
+                                                  models=list(self.router.names), api_key=bool(self.cfg.api_key), version=_version()))
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -130,6 +153,10 @@ class Server:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ApiError(400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        except RecursionError:  # the parser recurses per level: 100,000 nested arrays overflow it
+            raise ApiError(400, "request body nests too deeply to parse") from None
+        except ValueError as e:  # JSON that parses but Python will not hold, e.g. an integer of 5,000 digits
+            raise ApiError(400, f"request body holds a number too large to read ({str(e).split(':')[0]})") from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object")
         try:
@@ -170,12 +197,16 @@ class Server:
         name = args.pop("policy", self.router.policy.name)
         if not isinstance(name, str):
             raise ApiError(400, "routing.policy must be a policy name", param="routing.policy")
+        if name in BUILTIN and not BUILTIN[name].allows_per_request(args):  # before it reads any file
+            raise ApiError(400, f"routing: policy {name!r} cannot be chosen per request with these arguments "
+                                "(it loads a trained network or code); the server's own policy can be", param="routing")
         try:
             policy = make_policy(name, args)
-            if not policy.per_request:
-                raise ValueError(f"policy {name!r} cannot change per request (it carries trained state)")
             policy.bind(self.router.names)
-        except (ValueError, TypeError) as e:
+        except PolicyArgumentError as e:  # the policy's argument schema: name the field as the client wrote it
+            where = f"routing.{e.field}" if e.field else "routing"
+            raise ApiError(400, f"{where}: {e.reason}", param=where) from None
+        except Exception as e:  # a policy's constructor is user input's first reader: whatever it raises, it said no
             raise ApiError(400, f"routing: {e}", param="routing") from None
         return policy
 
@@ -221,6 +252,8 @@ class Server:
                 req = self.router.submit(ids, **kw)
             except ValueError as e:
                 raise ApiError(400, str(e)) from None
+            except RouterUnavailable as e:  # a model restarting after its subserver died: retry shortly
+                raise ApiError(503, str(e), "unavailable", headers={"Retry-After": "1"}) from None
             # aclosing: a disconnect (the handler is cancelled) aborts the request at once
             async with contextlib.aclosing(self.router.events(req)) as events:
                 if body.stream:
@@ -243,6 +276,8 @@ class Server:
                 if ev.model:
                     per_model[ev.model] = per_model.get(ev.model, 0) + 1
                 reason = ev.finish_reason or reason
+        except RouterUnavailable as e:  # failed with every request when a model's subserver died
+            raise ApiError(503, str(e), "unavailable", headers={"Retry-After": "1"}) from None
         except RouterError as e:
             raise ApiError(500, str(e), "server_error") from None
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
@@ -282,7 +317,9 @@ class Server:
                 if ev.text or ev.finish_reason:
                     await resp.write(chunk(ev.text, ev.finish_reason, ev.model))
         except RouterError as e:
-            err = {"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}}
+            code = 503 if isinstance(e, RouterUnavailable) else 500
+            err = {"error": {"message": str(e), "type": "unavailable" if code == 503 else "server_error",
+                             "param": None, "code": code}}
             await resp.write(f"data: {json.dumps(err)}\n\n".encode())
         if body.stream_options is not None and body.stream_options.include_usage:
             u = {"id": rid, "object": obj, "created": created, "model": self.cfg.served_model_name, "choices": [],

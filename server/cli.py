@@ -113,6 +113,10 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", metavar="N|NAME=N,...",
                     help="CPU intra-op threads per model worker (default: the heaviest model gets every core, "
                          "the others share)")
+    ap.add_argument("--max-restarts", type=int, default=3,
+                    help="a model's subserver that dies (a bug; a request's own failure fails that request alone) "
+                         "fails every request in flight and restarts with a fresh engine state, at most this many "
+                         "times in 10 minutes; past that `serve` exits with status 1 for its supervisor to restart")
     ap.add_argument("--no-retune", dest="retune", action="store_false",
                     help="keep the start-up delayed-batching schedule: no re-solve while serving when the routing "
                          "or step times drift (a re-solve is seconds of idle-priority CPU, 10-15%% of a 2-core "
@@ -130,7 +134,7 @@ def router_kwargs(args) -> dict[str, object]:
     return dict(models=models, policy=args.policy, policy_args=policy_args, entry=args.entry,
                 device=args.device, mode=args.mode, max_concurrency=args.max_concurrency,
                 kv_memory_gb=args.kv_memory_gb, threads=parse_threads(args.threads), retune=args.retune,
-                faults=parse_faults(args.inject_faults))
+                faults=parse_faults(args.inject_faults), max_restarts=args.max_restarts)
 
 
 def parse_faults(path: str | None):
@@ -206,6 +210,7 @@ async def serve_main(args) -> int:
         sock.close()
         raise
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    status = 0
     await runner.setup()
     site = web.SockSite(runner, sock)
     await site.start()  # /health answers 503 while the models load
@@ -222,7 +227,12 @@ async def serve_main(args) -> int:
         log.info("sampling defaults for fields a request omits: %s", server.sampling_defaults.describe())
         server.ready = True
         log.info("ready: http://%s:%d/v1 (policy %s, mode %s)", args.host, port, router.policy.name, router.mode)
-        await stop.wait()
+        signalled, died = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(router.wait_dead())
+        await asyncio.wait([signalled, died], return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel(), died.cancel()
+        if router.dead:  # every request already failed with the reason; /health says 503 until the port closes
+            log.error("exiting with status 1 so that a supervisor restarts the server: %s", router.dead)
+            status = 1
         log.info("shutting down: no new requests; %d in flight get %.0fs to finish", server.in_flight, args.grace)
         server.draining = True
         deadline = time.monotonic() + args.grace
@@ -232,7 +242,7 @@ async def serve_main(args) -> int:
         await router.close()  # aborts whatever is left; frees every KV page
         await runner.cleanup()
     log.info("stopped")
-    return 0
+    return status
 
 
 # -- generate -------------------------------------------------------------------------------------------

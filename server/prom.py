@@ -64,6 +64,15 @@ class _RouterCollector:
         tasks.add_metric(["running"], self.router.num_tasks)
         tasks.add_metric(["stopped"], len(self.router.dead_tasks()))
         yield tasks
+        restarts = CounterMetricFamily("aiorouter_subserver_restarts", "Subserver tasks restarted with a fresh "
+                                       "engine state after they died", labels=["model"])
+        down = GaugeMetricFamily("aiorouter_model_down", "1 while the model's subserver is not serving "
+                                 "(restarting, or down for good)", labels=["model"])
+        health = self.router.health()
+        for name in self.router.names:
+            restarts.add_metric([name], m.subserver_restarts[name])
+            down.add_metric([name], int(name in health))
+        yield from (restarts, down)
         try:
             yield GaugeMetricFamily("aiorouter_event_loop_tasks", "asyncio tasks in the serving event loop",
                                     value=len(asyncio.all_tasks()))

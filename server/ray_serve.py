@@ -121,10 +121,10 @@ class RouterReplica:
                 yield chunk
 
     def check_health(self) -> None:
-        # a dead subserver task fails every request it touches; Serve replaces the replica instead
-        dead = self.router.dead_tasks()
-        if dead:
-            raise RuntimeError(f"router tasks died: {dead}")
+        # a subserver that died restarts in the replica (Router.max_restarts); one past its restarts
+        # leaves the router dead, and Serve replaces the replica
+        if self.router.dead:
+            raise RuntimeError(f"router is dead: {self.router.dead}")
 
     async def __del__(self) -> None:
         # Serve calls this once the replica's requests drained (graceful_shutdown_timeout_s), and

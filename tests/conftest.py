@@ -28,12 +28,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 def make_tiny_qwen3(path: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                    vocab: int = 512, seed: int = 0, tie: bool = False) -> Path:
+                    vocab: int = 512, seed: int = 0, tie: bool = False, max_positions: int = 1024) -> Path:
     import transformers
     torch.manual_seed(seed)
     cfg = transformers.Qwen3Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                                    num_key_value_heads=kv_heads, intermediate_size=2 * hidden, vocab_size=vocab,
-                                   head_dim=hidden // heads, max_position_embeddings=1024, tie_word_embeddings=tie,
+                                   head_dim=hidden // heads, max_position_embeddings=max_positions, tie_word_embeddings=tie,
                                    eos_token_id=1, bos_token_id=0)
     model = transformers.Qwen3ForCausalLM(cfg).float()
     # random init of norms is all-ones; perturb them so a norm bug cannot hide
@@ -56,13 +56,17 @@ def smollm2() -> Path:
     return default_model_path()
 
 
-@pytest.fixture(scope="session")
-def tiny_chat_model(tmp_path_factory, smollm2) -> Path:
+def make_tiny_chat_model(path: Path, smollm2: Path, **kw) -> Path:
     """A tiny random Qwen3 that speaks SmolLM2's tokenizer (vocab 49152, ChatML template), so
     text and chat endpoints run on a model that steps in milliseconds."""
     import shutil
-    path = make_tiny_qwen3(tmp_path_factory.mktemp("tiny_chat"), vocab=49152, seed=5)
+    make_tiny_qwen3(path, vocab=49152, seed=5, **kw)
     for f in smollm2.iterdir():
         if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "special_tokens_map.json"):
             shutil.copy2(f, path / f.name)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, smollm2) -> Path:
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"), smollm2)

@@ -394,13 +394,15 @@ async def test_query_scorer_decides_before_any_step(tiny_chat_model):
         steps = r.metrics.models["weak"].steps
         assert set((await r.generate(chat, max_tokens=4)).models) == {"strong"}  # the last message is scored
         assert rates.seen[-1] == texts[1] and r.metrics.models["weak"].steps == steps  # weak never stepped
-    # a scorer named as "module:attribute" is imported at setup; scorers and classifiers are never per request
+    # a scorer named as "module:attribute" is imported at setup; scorers and classifiers are never per
+    # request, which is decided from the arguments before the policy is built (and reads a file)
     named = QueryPolicy(0.5, scorer="builtins:len")
-    assert named.scorer is None and not named.per_request
-    assert not QueryPolicy(0.5, classifier={"weight": torch.ones(4)}).per_request
+    assert named.scorer is None and not QueryPolicy.allows_per_request({"thresholds": 0.5, "scorer": "builtins:len"})
+    assert not QueryPolicy.allows_per_request({"classifier": "/some/head.pt"})
     named.bind(["weak", "strong"])
     named.setup([])
-    assert named.scorer is len and named.admit("r", [5], "abc") == 1 and QueryPolicy(0.5).per_request
+    assert named.scorer is len and named.admit("r", [5], "abc") == 1
+    assert QueryPolicy.allows_per_request({"thresholds": 0.3, "score": "entropy"})
     with pytest.raises(ValueError, match="'module:attribute'"):
         QueryPolicy(0.5, scorer="len")
     # a query the scorer refuses (ValueError) is the caller's error; a scorer that breaks fails its request only

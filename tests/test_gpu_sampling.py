@@ -36,6 +36,16 @@ def test_greedy_rows_and_one_token_supports_are_exact():
     assert a[0] == b[0] == logits[0].argmax() and b[-1] == logits[-1].argmax()
 
 
+@pytest.mark.parametrize("p", [SamplingParams(top_p=5e-324), SamplingParams(top_p=1e-45, temperature=0.3),
+                               SamplingParams(temperature=5e-324), SamplingParams(temperature=1e-7, top_p=0.5)])
+def test_extreme_but_valid_parameters_draw_the_most_probable_token(p):
+    """What a fuzzer sent the server (tests/test_fuzz.py): a top_p or temperature that float32
+    rounds to 0 once made every probability NaN and failed the step; both ask for the argmax."""
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(2)) * 4
+    for fn in (sample, sample_batched):
+        assert torch.equal(fn(logits, [p] * 3, [None] * 3), logits.argmax(-1)), fn.__name__
+
+
 def test_exponential_race_draws_the_filtered_distribution():
     torch.manual_seed(0)
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])

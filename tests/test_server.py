@@ -134,7 +134,30 @@ BAD = [
     ("token id out of vocab", {"json": {"prompt": [1, 2, 10**7]}}, 400),
     ("bad routing override", {"json": {"prompt": "hi", "routing": {"policy": "nope"}}}, 400),
     ("bad routing arg", {"json": {"prompt": "hi", "routing": {"policy": "rstitch", "zeta": 1}}}, 400),
+    # issue 44's probe: each of these once killed a subserver, got a 500, or a Python error as its message
+    ("seed past 64 bits", {"json": {"prompt": "x", "max_tokens": 2, "seed": 1180591620717411303424}}, 400),
+    ("routing arg of the wrong type", {"json": {"prompt": "hi", "routing": {"policy": "rstitch", "tau": "high"}}},
+     400),
+    ("100,000 nested arrays", {"data": b"[" * 100_000 + b"]" * 100_000,
+                               "headers": {"Content-Type": "application/json"}}, 400),
+    ("an integer of 5,000 digits", {"data": b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}",
+                                    "headers": {"Content-Type": "application/json"}}, 400),
+    ("per-request trained router", {"json": {"prompt": "hi", "routing": {"policy": "r2r",
+                                                                          "router": "/nonexistent/r.pt"}}}, 400),
+    ("wrong type deep inside", {"json": {"prompt": "hi", "routing": {"policy": "rstitch", "tau": [[{"a": 1}]]}}},
+     400),
+    ("nan routing arg", {"data": b'{"prompt": "hi", "routing": {"policy": "rstitch", "tau": NaN}}',
+                         "headers": {"Content-Type": "application/json"}}, 400),
 ]
+
+# the message each of issue 44's probes gets: the field and what it takes, in our words
+BAD_SAYS = {
+    "seed past 64 bits": "seed: must be an integer in [-9223372036854775808, 9223372036854775807]",
+    "routing arg of the wrong type": "routing.tau: ",
+    "100,000 nested arrays": "request body nests too deeply to parse",
+    "an integer of 5,000 digits": "request body holds a number too large to read",
+    "per-request trained router": "routing: policy 'r2r' cannot be chosen per request",
+}
 
 
 async def test_bad_inputs_get_4xx_and_server_keeps_serving(tiny_chat_model):
@@ -146,6 +169,8 @@ async def test_bad_inputs_get_4xx_and_server_keeps_serving(tiny_chat_model):
                     body = await r.json()
                     assert body["error"]["message"] and body["error"]["type"], name
                     assert "Value error" not in body["error"]["message"], body  # our words, not pydantic's
+                    assert BAD_SAYS.get(name, "") in body["error"]["message"], (name, body)
+                    assert "not supported between" not in body["error"]["message"], body  # not a Python error
             async with s.post(url + "/v1/completions", json={"prompt": "hi", "n": 2}) as r:
                 assert (await r.json())["error"]["message"] == "n: only n = 1 is supported"
             async with s.post(url + "/v1/chat/completions", json={"messages": []}) as r:
