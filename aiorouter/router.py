@@ -372,7 +372,8 @@ class Router:
 
     # -- client API ----------------------------------------------------------------------------
     def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt (see `Prompt`): text is tokenized as is, with no chat template (a chat
+        """Token ids of a prompt (see `Prompt`): text is tokenized as is (with the tokenizer's BOS
+        where it adds one), with no chat template (a chat
         model given a bare question may answer nothing: pass messages), chat messages go through the
         entry model's chat template, token ids pass through."""
         if isinstance(prompt, str):
@@ -380,7 +381,9 @@ class Router:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("the entry model has no tokenizer: pass token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            # the tokenizer's own special tokens, as vLLM's completions do: a BOS where the model
+            # expects one (Gemma, Llama; a Gemma prompt without it answers nonsense), none for Qwen/SmolLM2
+            return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
                 raise ValueError("the entry model's tokenizer has no chat template: pass text or token ids")

@@ -16,6 +16,8 @@ from engines.streams import StreamFactory
 class ModelSpec:
     """One cooperating model. `engine="sim"` needs no weights: it sleeps L(b) = a + c*b."""
 
+    # a model directory, or a known model's name (engines/known_models.py, e.g. "gemma3-270m"):
+    # a name that is not also an existing path becomes its built directory here, built on first use
     path: str | None = None
     # "cpu", "cuda:0", or a group "cuda:0,1" (its layers split across the GPUs in order, an
     # in-process pipeline); two models may name the same GPU. None: the router's device
@@ -38,6 +40,10 @@ class ModelSpec:
             raise ValueError(f"engine must be 'real' or 'sim', got {self.engine!r}")
         if self.engine == "real" and not self.path:
             raise ValueError("a real model spec needs a path")
+        if self.engine == "real" and not Path(self.path).expanduser().exists():
+            from engines.known_models import KNOWN_MODELS, known_model_path
+            if self.path in KNOWN_MODELS:  # frozen: the resolved directory replaces the name once
+                object.__setattr__(self, "path", str(known_model_path(self.path)))
         if self.device is not None:
             parse_devices(self.device)  # a bad group fails here, with the spec, not at load time
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -69,6 +75,7 @@ class ModelSpec:
         """This model's engine. Its KV pool is `num_kv_tokens` if set, else its share (`kv_share`, or
         an equal split between the router's models) of `kv_memory_gb`, in its own KV bytes per token.
         `streams`: the router's CUDA stream factory, so no two models share a stream."""
+        self._check_path()
         ecfg = replace(self.engine_config, num_kv_tokens=self.kv_tokens(kv_memory_gb, num_models))
         if self.quantization is not None:
             ecfg = replace(ecfg, quantization=self.quantization)
@@ -82,6 +89,15 @@ class ModelSpec:
             return self.num_kv_tokens
         if self.engine == "sim":
             return self.engine_config.num_kv_tokens
+        self._check_path()
         share = self.kv_share or 1.0 / num_models
         per_tok = ModelConfig.from_dir(self.path).kv_bytes_per_token(parse_dtype(self.dtype))
         return max(self.engine_config.page_size * 64, int(kv_memory_gb * share * 2**30 / per_tok))
+
+    def _check_path(self) -> None:
+        # Checked when the engine is built, not in __post_init__: specs of paths that do not exist
+        # yet (written later, or only described) are fine until then.
+        if self.engine == "real" and not Path(self.path).expanduser().exists():
+            from engines.known_models import known_names
+            raise FileNotFoundError(f"model path {self.path!r} does not exist and is not a known model name "
+                                    f"(known names: {known_names()})")

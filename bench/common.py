@@ -50,7 +50,7 @@ def tiny_chat_qwen3(name: str, seed: int = 0) -> Path:
     tiny_chat_model does for the tests)."""
     import shutil
 
-    from engines.default_model import default_model_path
+    from engines.known_models import default_model_path
     path = tiny_qwen3(name, vocab=49152, seed=seed)
     if not (path / "tokenizer.json").is_file():
         names = [f.name for f in default_model_path().iterdir()

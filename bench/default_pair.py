@@ -1,4 +1,4 @@
-"""The default pair (engines.default_model.default_pair): how cheap the small model's steps are,
+"""The default pair (engines.known_models.default_pair): how cheap the small model's steps are,
 how well it agrees with the large model, and how the pair routes and answers, in one invocation.
 
 1. Step cost: decode steps of each small candidate against the large model (SmolLM2-135M-Instruct,
@@ -33,7 +33,8 @@ from aiorouter import Router
 from aiorouter.cpu_threads import plan_threads
 from bench.common import OutsideLoad, write_json
 from engines import Engine, EngineConfig
-from engines.default_model import default_pair, truncated_model_path
+from engines.default_model import truncated_model_path
+from engines.known_models import default_pair
 
 # (question, words of which one must appear in a correct answer), lower case
 FACTUAL_QUESTIONS: list[tuple[str, tuple[str, ...]]] = [

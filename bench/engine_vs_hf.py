@@ -1,6 +1,7 @@
-"""SmolLM2-135M decode throughput: this engine against HF `generate`, side by side in one process.
+"""Decode throughput: this engine against HF `generate`, side by side in one process.
 
-    python -m bench.engine_vs_hf                       # batches 1,8,32; 128 new tokens; fp32 and bf16
+    python -m bench.engine_vs_hf                       # SmolLM2-135M; batches 1,8,32; 128 new tokens; fp32 and bf16
+    python -m bench.engine_vs_hf --model smollm2-135m,gemma3-270m --quick --dtypes fp32   # a table per model
     python -m bench.engine_vs_hf --quick               # batches 1,8; 32 new tokens; one repeat
     python -m bench.engine_vs_hf --batches 1,32 --dtypes bf16 --repeats 5 --threads 1
     python -m bench.engine_vs_hf --threads 2,1        # one table per intra-op thread count
@@ -248,7 +249,7 @@ def markdown(res: dict) -> str:
     lo = min(min(v) for v in res["prompt_lengths"].values())
     hi = max(max(v) for v in res["prompt_lengths"].values())
     lines = [
-        "## Engine vs HF `generate` (SmolLM2-135M-Instruct, CPU)",
+        f"## Engine vs HF `generate` ({', '.join(Path(p).name for p in res['models'])}, CPU)",
         "",
         f"{m['cpu']} ({'with' if m['avx512_bf16'] else 'without'} avx512_bf16), {m['cores']} cores; "
         f"torch {m['torch']}, transformers {m['transformers']}; commit `{m['git_commit'][:10]}`"
@@ -262,7 +263,7 @@ def markdown(res: dict) -> str:
     ]
     for sec in res["sections"]:
         la, bw = sec["load_average"], sec["bandwidth"]
-        lines += ["", f"### {sec['threads']} intra-op thread(s), both systems", "",
+        lines += ["", f"### {Path(sec['model']).name}: {sec['threads']} intra-op thread(s), both systems", "",
                   f"Load average (1/5/15 min) {la['start'][0]:.2f}/{la['start'][1]:.2f}/{la['start'][2]:.2f} at start, "
                   f"{la['end'][0]:.2f}/{la['end'][1]:.2f}/{la['end'][2]:.2f} at end.", "",
                   "| dtype | batch | HF tok/s | engine tok/s | engine/HF | HF decode tok/s | engine decode tok/s | "
@@ -366,7 +367,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", default=str(torch.get_num_threads()),
                     help="intra-op thread count(s) for both systems, e.g. 2 or 2,1 (one table each)")
     ap.add_argument("--quick", action="store_true", help="batches 1,8; 32 new tokens; 1 repeat")
-    ap.add_argument("--model", default=None, help="HF model dir (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="HF model dir(s) or known model name(s), comma-separated: a table each")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine_vs_hf.json"))
     ap.add_argument("--md", default=str(ROOT / "bench" / "RESULTS-engine.md"))
     args = ap.parse_args(argv)
@@ -381,20 +383,22 @@ def main(argv: list[str] | None = None) -> dict:
     import transformers
     from tqdm.auto import tqdm
 
-    from engines.default_model import default_model_path
+    from engines.known_models import resolve_model_path
     transformers.logging.set_verbosity_error()
-    path = Path(args.model) if args.model else default_model_path()
-    tok = transformers.AutoTokenizer.from_pretrained(str(path))
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    prompts = {b: build_prompts(tok, b) for b in batches}
-    res: dict = dict(model=str(path), new_tokens=args.new_tokens, repeats=args.repeats, batches=batches,
-                     prompt_lengths={b: [len(p) for p in ps] for b, ps in prompts.items()},
-                     machine=machine(), sections=[])
-    pbar = tqdm(total=len(threads) * len(dtypes) * len(batches) * args.repeats * 2, desc="engine vs HF", unit="run")
-    for t in threads:
-        res["sections"].append(run_section(t, path, tok, prompts, dtypes, args, pbar))
+    paths = [Path(resolve_model_path(m.strip())) for m in args.model.split(",")]
+    res: dict = dict(models=[str(p) for p in paths], new_tokens=args.new_tokens, repeats=args.repeats,
+                     batches=batches, prompt_lengths={}, machine=machine(), sections=[])
+    pbar = tqdm(total=len(paths) * len(threads) * len(dtypes) * len(batches) * args.repeats * 2,
+                desc="engine vs HF", unit="run")
+    for path in paths:
+        tok = transformers.AutoTokenizer.from_pretrained(str(path))
+        tok.padding_side = "left"
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        prompts = {b: build_prompts(tok, b) for b in batches}
+        res["prompt_lengths"].update({f"{path.name} b{b}": [len(p) for p in ps] for b, ps in prompts.items()})
+        for t in threads:
+            res["sections"].append({"model": str(path), **run_section(t, path, tok, prompts, dtypes, args, pbar)})
     pbar.close()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")

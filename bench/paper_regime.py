@@ -98,7 +98,8 @@ def real_pair(name: str) -> Pair:
     if name == "cpu-tiny":
         small, large = tiny_qwen3("small"), tiny_qwen3("large")
     elif name == "smollm2":
-        from engines.default_model import default_model_path, truncated_model_path
+        from engines.default_model import truncated_model_path
+        from engines.known_models import default_model_path
         large = default_model_path()
         small = truncated_model_path(large, 10)
     else:

@@ -80,7 +80,8 @@ def load_pair(name: str) -> Pair:
     if name == "cpu-tiny":
         return Pair(name, tiny_qwen3("small"), tiny_qwen3("large"), "random", {"p": 0.35, "seed": 7}, 4096)
     if name == "smollm2":
-        from engines.default_model import default_model_path, truncated_model_path
+        from engines.default_model import truncated_model_path
+        from engines.known_models import default_model_path
         large = default_model_path()
         small = truncated_model_path(large, 10)
         vocab = json.loads((large / "config.json").read_text())["vocab_size"]

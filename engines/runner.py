@@ -52,8 +52,8 @@ class Stage(NamedTuple):
     layers: range
     kv: KVPool | StageKV
     backend: AttentionBackend
-    cos: torch.Tensor  # [max_len, 1, D] in the model dtype
-    sin: torch.Tensor  # [max_len, 1, D], rotate_half's sign folded in
+    cos: tuple[torch.Tensor, ...]  # per rope of the model: [max_len, 1, D] in the model dtype
+    sin: tuple[torch.Tensor, ...]  # the same, rotate_half's sign folded in
 
 
 class ModelRunner:
@@ -75,9 +75,10 @@ class ModelRunner:
             ops = cpu_kernels.load()  # None (warned) without a compiler: torch ops then
             if ops is not None:
                 model.use_cpu_kernels(ops)
-        cos, sin = rope_cache(cfg, max_model_len, torch.device("cpu"))  # [max_len, D] fp32
+        tables = rope_cache(cfg, max_model_len, torch.device("cpu"))  # per rope: [max_len, D] fp32 each
         # Cast once here (HF casts per layer, to the same values) and fold rotate_half's sign into sin.
-        cos, sin = cos.to(dtype)[:, None, :], signed_sin(sin).to(dtype)[:, None, :]  # [max_len, 1, D]
+        cos = tuple(c.to(dtype)[:, None, :] for c, _ in tables)  # [max_len, 1, D] each
+        sin = tuple(signed_sin(s).to(dtype)[:, None, :] for _, s in tables)
         self.stages: list[Stage] = []
         for dev, layers in zip(devices, ranges):
             if len(devices) == 1:
@@ -88,7 +89,7 @@ class ModelRunner:
             be = backend if backend is not None and len(devices) == 1 else select_backend(dev, ecfg.attention_backend)
             if hasattr(be, "bind"):  # backends that plan for fixed head shapes (flashinfer)
                 be.bind(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype)
-            self.stages.append(Stage(dev, layers, kv, be, cos.to(dev), sin.to(dev)))
+            self.stages.append(Stage(dev, layers, kv, be, tuple(c.to(dev) for c in cos), tuple(s.to(dev) for s in sin)))
         self.kv, self.backend = self.stages[0].kv, self.stages[0].backend
         self.cuda = self.device.type == "cuda"
         # one stream per device, made for this runner alone (None on CPU): this model's kernels
@@ -136,7 +137,8 @@ class ModelRunner:
                      backend: AttentionBackend | None = None) -> torch.Tensor:
         """One device: ids, positions [T] -> hidden [T, hidden]. What a CUDA graph captures."""
         st = self.stages[0]
-        ctx = AttnContext(backend or st.backend, meta, st.kv, st.cos[positions], st.sin[positions])
+        ctx = AttnContext(backend or st.backend, meta, st.kv, tuple(c[positions] for c in st.cos),
+                          tuple(s[positions] for s in st.sin))
         return self.model.forward_stages(input_ids, [(range(len(self.model.layers)), ctx)], self.layer_hook)
 
     def _on_streams(self) -> contextlib.ExitStack:
@@ -189,7 +191,8 @@ class ModelRunner:
             lay = layout._replace(slot_mapping=up(layout.slot_mapping, st.device),
                                   block_tables=up(layout.block_tables, st.device))
             pos = up(positions, st.device)
-            ctxs.append((st.layers, AttnContext(st.backend, st.backend.plan(lay), st.kv, st.cos[pos], st.sin[pos])))
+            ctxs.append((st.layers, AttnContext(st.backend, st.backend.plan(lay), st.kv, tuple(c[pos] for c in st.cos),
+                                                tuple(s[pos] for s in st.sin))))
         return self.model.forward_stages(up(input_ids, self.device), ctxs)
 
     @torch.inference_mode()

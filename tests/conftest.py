@@ -52,7 +52,7 @@ def tiny_qwen3(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    from engines.default_model import default_model_path
+    from engines.known_models import default_model_path
     return default_model_path()
 
 

@@ -83,8 +83,8 @@ def test_model_on_fused_kernels_matches_torch_ops(qk_norm):
     from engines.model import AttnContext, rope_cache, signed_sin
     T = 7
     ids, pos = torch.randint(0, 97, (T,)), torch.arange(T)
-    cos, sin = rope_cache(cfg, 32, torch.device("cpu"))
-    cos, sin = cos[pos][:, None], signed_sin(sin)[pos][:, None]
+    (cos, sin), = rope_cache(cfg, 32, torch.device("cpu"))  # one rope
+    cos, sin = (cos[pos][:, None],), (signed_sin(sin)[pos][:, None],)
     outs = []
     for ops in (None, OPS):
         model.use_cpu_kernels(ops)

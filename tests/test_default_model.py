@@ -11,7 +11,8 @@ import gguf  # noqa: F401  (a core dependency: GGUF import needs it)
 import torch
 import transformers
 
-from engines.default_model import GGUF_IN_WHEEL, MARKER, cache_dir, convert_gguf_to_hf, default_model_path
+from engines.default_model import GGUF_IN_WHEEL, MARKER, cache_dir, convert_gguf_to_hf
+from engines.known_models import default_model_path
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The embedded default pair (engines.default_model.default_pair): SmolLM2-135M-Instruct loaded
+"""The embedded default pair (engines.known_models.default_pair): SmolLM2-135M-Instruct loaded
 int4 as the small model, the same checkpoint in fp32 as the large one. It must route for real at
 temperature 0: the small model writes a real share of the answers, and the answers stay the
 large model's (bench/default_pair.py measures the whole question set)."""
@@ -14,7 +14,8 @@ from aiorouter import DEFAULT_POLICY, DEFAULT_POLICY_ARGS, Router, default_model
 from aiorouter.cpu_threads import plan_threads
 from bench.default_pair import FACTUAL_QUESTIONS, correct
 from engines import Engine
-from engines.default_model import MARKER, default_pair
+from engines.default_model import MARKER
+from engines.known_models import default_pair
 from engines.quant import CONFIG_KEY
 
 

@@ -23,6 +23,20 @@ class BatchLayout(NamedTuple):
     host_block_tables: list[list[int]] | None = None  # the same, unpadded, for planners on the host
 
 
+class LayerAttn(NamedTuple):
+    """What one layer asks of attention beyond causal softmax(q k^T / sqrt(D)) v, from its config:
+    the model passes it to every `forward` (layers differ: Gemma 3 has 5 windowed to 1 global)."""
+    window: int = 0  # > 0: the query at position p sees keys at positions j with p - window < j <= p,
+    #                  the last `window` tokens, its own included (HF's sliding_window, exactly:
+    #                  masking_utils ANDs kv_idx > q_idx - sliding_window with kv_idx <= q_idx);
+    #                  0: every key j <= p
+    scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    softcap: float = 0.0  # > 0: scores -> softcap * tanh(scores / softcap) before softmax (Gemma 2)
+
+
+FULL = LayerAttn()
+
+
 class AttentionBackend(ABC):
     graph_safe = False  # plan -> NamedTuple of fixed-shape tensors and ints, forward syncs nothing
     @abstractmethod
@@ -31,7 +45,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: object) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: object, layer: LayerAttn = FULL) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D], caches [num_slots, Hkv, D] -> out [T, H, D].
 
-        Writes this step's k/v into the caches first."""
+        Writes this step's k/v into the caches first. `layer`: this layer's window, scale, softcap."""

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from engines.attention.base import AttentionBackend, BatchLayout
+from engines.attention.base import FULL, AttentionBackend, BatchLayout, LayerAttn
 from engines.devices import host_tensor
 from engines.triton_kernels import extend_work, paged_decode, paged_extend, store_kv
 
@@ -49,17 +49,19 @@ class TritonBackend(AttentionBackend):
                           host_tensor(indptr, i32, dev), host_tensor(seqs, i32, dev), host_tensor(blks, i32, dev),
                           nd, layout.page_size)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMeta):
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMeta, layer: LayerAttn = FULL):
         # q [T, H, D], k/v [T, Hkv, D], caches [slots, Hkv, D]. Triton launches on the current CUDA
         # device: the caller makes it q's (ModelRunner per step, CausalLM.forward_stages per stage)
         if q.shape[-1] < 16:
             raise ValueError(f"the Triton backend needs head_dim >= 16 (tl.dot), got {q.shape[-1]}")
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        scale = q.shape[-1] ** -0.5
+        # the layer's options are host scalars: graphs capture them per layer, nothing reads the device
+        scale = layer.scale if layer.scale is not None else q.shape[-1] ** -0.5
         nd, ps = meta.num_decodes, meta.page_size
         if nd:
-            paged_decode(q[:nd], k_cache, v_cache, out[:nd], meta.block_tables, meta.kv_lens, ps, scale, self.block_n)
+            paged_decode(q[:nd], k_cache, v_cache, out[:nd], meta.block_tables, meta.kv_lens, ps, scale, self.block_n,
+                         layer.window, layer.softcap)
         paged_extend(q, k_cache, v_cache, out, meta.block_tables, meta.kv_lens, meta.qo_indptr, meta.work_seq,
-                     meta.work_mblk, ps, scale, self.block_m, self.block_n)
+                     meta.work_mblk, ps, scale, self.block_m, self.block_n, layer.window, layer.softcap)
         return out
