@@ -227,6 +227,11 @@ def _attention_layout(mt: str, hf, n: int, head_dim: int):
     return (windows if any(windows) else ()), tuple(names.index(t) for t in types), ropes
 
 
+def default_rope(theta: float, head_dim: int) -> Rope:
+    """The unscaled rope of base `theta`: inv_freq[i] = theta ** (-2i / head_dim)."""
+    return Rope(tuple((1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))).tolist()))
+
+
 def _rope(hf, layer_type: str | None, head_dim: int) -> Rope:
     """transformers' own rope functions (transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS)
     at their static lengths: within max_position_embeddings, which is what the engine serves,
@@ -238,8 +243,7 @@ def _rope(hf, layer_type: str | None, head_dim: int) -> Rope:
     rt = params.get("rope_type", "default")
     base = float(params.get("rope_theta", 10000.0))
     if rt == "default":
-        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        return Rope(tuple(inv.tolist()))
+        return default_rope(base, head_dim)
     kw = {"layer_type": layer_type} if layer_type is not None else {}
     inv, factor = ROPE_INIT_FUNCTIONS[rt](hf, torch.device("cpu"), **kw)
     if rt != "longrope":

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.attention import AttentionBackend, LayerAttn
-from engines.config import ModelConfig, Rope
+from engines.config import ModelConfig, default_rope
 from engines.kv_cache import KVPool
 from engines.moe import SparseMoeBlock
 from engines.onednn_rows import ONEDNN_LINEAR, packed_linear
@@ -151,11 +151,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
 def rope_cache(cfg: ModelConfig, max_len: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per rope of the model (ModelConfig.ropes): cos, sin [max_len, head_dim] in float32 (HF's
     non-interleaved layout, times the rope's attention factor as HF scales them)."""
-    d = cfg.head_dim
-    ropes = cfg.ropes or (Rope(tuple((1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2).float() / d))).tolist())),)
+    ropes = cfg.ropes or (default_rope(cfg.rope_theta, cfg.head_dim),)  # a config built in code names none
+    t = torch.arange(max_len, dtype=torch.float32)
     out = []
     for r in ropes:
-        t = torch.arange(max_len, dtype=torch.float32)
         freqs = torch.outer(t, torch.tensor(r.inv_freq, dtype=torch.float32))  # [max_len, D/2]
         if r.long_inv_freq is not None and max_len > r.long_from:  # longrope: long factors from there on
             freqs[r.long_from:] = torch.outer(t[r.long_from:], torch.tensor(r.long_inv_freq, dtype=torch.float32))

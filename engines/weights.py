@@ -71,34 +71,28 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: t
                 for hf_name in f.keys():
                     if "rotary_emb" in hf_name:
                         continue
+                    # an expert block's tensor is a slice of a stacked parameter; the rest map by name
                     hit = hf_param_slice(hf_name.removeprefix("model."), cfg) if cfg.num_experts else None
-                    if hit is not None:  # an expert block's tensor: a slice of a stacked parameter
-                        name, index = hit
-                        if name not in params:
-                            raise ValueError(f"{file}: unexpected weight {hf_name!r} for a {cfg.model_type} model")
-                        t, dst = f.get_tensor(hf_name), params[name].data[index]
-                        if tuple(t.shape) != tuple(dst.shape):
-                            raise ValueError(f"{file}: weight {hf_name!r} has shape {tuple(t.shape)}, "
-                                             f"config.json implies {tuple(dst.shape)}")
-                        dst.copy_(t)
-                        covered[name] = covered.get(name, 0) + dst.numel()  # slices never overlap
-                        continue
-                    name, shard = _our_name(hf_name)
+                    name, shard = (hit[0], None) if hit is not None else _our_name(hf_name)
                     if name not in params:
                         raise ValueError(f"{file}: unexpected weight {hf_name!r} for a {cfg.model_type} model")
                     t = f.get_tensor(hf_name)
                     dst = params[name].data
-                    if shard is not None:
-                        sizes = split[".".join(name.split(".")[-3:-1])]
-                        start = sum(sizes[:shard])
-                        dst = dst.narrow(0, start, sizes[shard])
-                        name = f"{name}#{shard}"
+                    kind = ".".join(name.split(".")[-3:-1])
+                    if hit is not None:
+                        dst = dst[hit[1]]
+                    elif shard is not None:
+                        sizes = split[kind]
+                        dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
                     if tuple(t.shape) != tuple(dst.shape):
                         raise ValueError(f"{file}: weight {hf_name!r} has shape {tuple(t.shape)}, "
                                          f"config.json implies {tuple(dst.shape)}")
                     dst.copy_(t)
-                    kind = ".".join(name.split(".")[-3:-1])
-                    if shard is None and kind in split:  # stored fused already (phi3's qkv_proj, gate_up_proj)
+                    if hit is not None:
+                        covered[name] = covered.get(name, 0) + dst.numel()  # slices never overlap
+                    elif shard is not None:
+                        loaded.add(f"{name}#{shard}")
+                    elif kind in split:  # stored fused already (phi3's qkv_proj, gate_up_proj)
                         loaded.update(f"{name}#{i}" for i in range(len(split[kind])))
                     else:
                         loaded.add(name)
