@@ -10,26 +10,15 @@ Expert weights are stacked, in transformers' fused runtime layout and names
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-@dataclass(frozen=True)
-class MoeConfig:
-    hidden_size: int
-    moe_intermediate_size: int  # I, per expert
-    num_experts: int  # E
-    num_experts_per_tok: int  # top-k
-    norm_topk_prob: bool
-    shared_expert_intermediate_size: int = 0  # qwen2_moe's shared expert; 0: none (qwen3_moe)
-
-
 class MoeSizes(Protocol):
-    """What the block and the name mapping read: a MoeConfig or engines.config.ModelConfig."""
+    """What the block and the name mapping read (engines.config.ModelConfig has them)."""
     hidden_size: int
     moe_intermediate_size: int
     num_experts: int
@@ -57,15 +46,38 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))  # [E, 2I, H]
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))  # [E, H, I]
+        # after quantize(): one module per expert and projection, and the stacked tensors gone
+        self.quantized: nn.ModuleList | None = None
+        self.num_experts = num_experts
         if not self.down_proj.is_meta:  # meta: built to be loaded, nothing to fill
             nn.init.normal_(self.gate_up_proj, std=0.02)
             nn.init.normal_(self.down_proj, std=0.02)
 
+    def quantize(self, make: Callable[[torch.Tensor], nn.Module]) -> int:
+        """Replace the stacked weights by make(w) per expert and projection (engines.quant's
+        QuantLinear: w [out, in] -> a module x [T, in] -> [T, out]); returns how many were made.
+        The quantized kernels take one weight each, so steps run the per-expert loop."""
+        self.quantized = nn.ModuleList(nn.ModuleList([make(gu), make(d)])
+                                       for gu, d in zip(self.gate_up_proj.data, self.down_proj.data))
+        del self.gate_up_proj, self.down_proj
+        return 2 * len(self.quantized)
+
     def grouped_ok(self, x: torch.Tensor) -> bool:
-        """F.grouped_mm needs 16-byte aligned row strides on both operands."""
+        """F.grouped_mm needs stacked weights and 16-byte aligned row strides on both operands."""
+        if self.quantized is not None:
+            return False
         elt = x.element_size()
         h, i = self.down_proj.shape[1:]
         return hasattr(F, "grouped_mm") and (h * elt) % 16 == 0 and (i * elt) % 16 == 0
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e's gated MLP: x [t, H] -> [t, H]."""
+        if self.quantized is not None:
+            gate_up, down = self.quantized[e]
+            gate, up = gate_up(x).chunk(2, dim=-1)
+            return down(F.silu(gate).mul_(up))
+        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)  # [t, I] each
+        return F.linear(F.silu(gate).mul_(up), self.down_proj[e])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, grouped: bool) -> torch.Tensor:
         """x [T, H], routing weights [T, k] (x's dtype) and expert ids [T, k] -> [T, H]."""
@@ -74,7 +86,7 @@ class Experts(nn.Module):
         rows = order // k  # [Tk] token of each pair
         xs = x[rows]  # [Tk, H]
         # end of each expert's run of pairs; unlike bincount, no device -> host sync on CUDA
-        ends = torch.searchsorted(sorted_ids, torch.arange(self.down_proj.shape[0], device=x.device), right=True)
+        ends = torch.searchsorted(sorted_ids, torch.arange(self.num_experts, device=x.device), right=True)
         if grouped:  # one kernel per projection, sync-free (CUDA-graph capturable)
             offs = ends.to(torch.int32)
             gate, up = F.grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [Tk, I] each
@@ -84,8 +96,7 @@ class Experts(nn.Module):
             start = 0
             for e, end in enumerate(ends.tolist()):
                 if end > start:
-                    gate, up = F.linear(xs[start:end], self.gate_up_proj[e]).chunk(2, dim=-1)
-                    ys[start:end] = F.linear(F.silu(gate).mul_(up), self.down_proj[e])
+                    ys[start:end] = self._expert(e, xs[start:end])
                 start = end
         ys.mul_(weights.reshape(-1)[order, None])
         return torch.zeros_like(x).index_add_(0, rows, ys)

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from engines import cpu_kernels
+from engines.moe import Experts
 from engines.onednn_rows import ONEDNN_LINEAR, packed_linear
 from engines.quant_formats import (
     COMPUTE_DTYPE,
@@ -175,9 +176,10 @@ def _packed_bf16(w: torch.Tensor) -> torch.Tensor | None:
 
 
 def quantize_model(model: nn.Module, scheme: str, group_size: int = 32) -> int:
-    """Replace the linear layers (`nn.Linear`, as `engines.model.Linear` is) of a loaded model by
-    QuantLinears, in place on the weights' device, as `scheme` says (SCHEMES). A tied head gets its
-    own quantized copy; the embedding keeps the dense table. Returns how many were quantized."""
+    """Replace the linear layers (`nn.Linear`, as `engines.model.Linear` is) and the MoE experts of
+    a loaded model by QuantLinears, in place on the weights' device, as `scheme` says (SCHEMES). A
+    tied head gets its own quantized copy; the embedding and MoE routers (DenseGate) keep dense
+    weights. Returns how many were quantized."""
     body, head = SCHEMES[check_quantization(scheme)]
     dev = next(model.parameters()).device
     if dev.type == "cuda" and head == "w8a8":
@@ -194,4 +196,9 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32) -> int:
             raise ValueError(f"cannot quantize {name} [{lin.out_features}, {lin.in_features}] to {scheme}: {e}") from None
         setattr(model.get_submodule(parent) if parent else model, attr, q)
         n += 1
+    for name, experts in [(n_, m) for n_, m in model.named_modules() if isinstance(m, Experts)]:
+        try:  # sparse layers' stacked experts: a QuantLinear per expert and projection
+            n += experts.quantize(lambda w: QuantLinear(w, None, body, group_size))
+        except ValueError as e:
+            raise ValueError(f"cannot quantize {name} to {scheme}: {e}") from None
     return n

@@ -183,3 +183,29 @@ def test_aiorouter_generate_answers_with_gemma3_270m():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Paris" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_quantized_moe_model_quantizes_its_experts(tmp_path, name):
+    """`quantization="int8"` on a sparse model: every expert of every sparse layer is quantized (no
+    dense expert weight left, which would be the option silently half-applied), and the first-step
+    logits stay within int8's error of transformers' fp32 ones."""
+    from engines.moe import Experts
+    from engines.quant import QuantLinear
+    path, hf = build(tmp_path, name)
+    eng = Engine.from_pretrained(path, num_kv_tokens=512, quantization="int8")
+    experts = [m for m in eng.runner.model.modules() if isinstance(m, Experts)]
+    assert len(experts) == sum(eng.model_config.is_moe(i) for i in range(eng.model_config.num_hidden_layers)) > 0
+    for e in experts:
+        assert not list(e.parameters(recurse=False))
+        assert all(isinstance(m, QuantLinear) and m.method == "int8" for pair in e.quantized for m in pair)
+    prompt = torch.randint(2, 384, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    seq = eng.add_request(prompt, _forced(1))
+    out = eng.forward()
+    got = out.logits[0][:384].float()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1].float()
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert 0 < rel < 0.05, rel
+    eng.append_token(seq, int(got.argmax()))
+    assert seq.is_finished

@@ -1,6 +1,7 @@
 """engines/moe.py against transformers' Qwen3-MoE / Qwen2-MoE sparse blocks (tiny random models)."""
 from __future__ import annotations
 
+import copy
 import json
 from types import SimpleNamespace
 
@@ -11,7 +12,9 @@ from safetensors.torch import load_file
 
 from engines.config import ModelConfig
 from engines.model import MLP
-from engines.moe import MoeConfig, SparseMoeBlock, hf_param_slice
+from engines.moe import SparseMoeBlock, hf_param_slice
+from engines.quant import QuantLinear, quantize_model
+from engines.quant_formats import COMPUTE_DTYPE, dequantize_int4, quantize_int4, quantize_int8
 
 T, HIDDEN, EXPERTS, TOP_K, MOE_I, SHARED_I = 37, 64, 8, 2, 32, 48
 PREFIX = "model.layers.0.mlp."
@@ -51,7 +54,13 @@ def load_block(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> SparseMoeB
     return block
 
 
-def block_of(cfg: MoeConfig) -> SparseMoeBlock:
+def sizes(norm: bool, shared: int = SHARED_I) -> SimpleNamespace:
+    """The engines.moe.MoeSizes a block reads (engines.config.ModelConfig has them too)."""
+    return SimpleNamespace(hidden_size=HIDDEN, moe_intermediate_size=MOE_I, num_experts=EXPERTS,
+                           num_experts_per_tok=TOP_K, norm_topk_prob=norm, shared_expert_intermediate_size=shared)
+
+
+def block_of(cfg: SimpleNamespace) -> SparseMoeBlock:
     """A random block with its shared expert (an engines.model MLP) when cfg has one."""
     s = cfg.shared_expert_intermediate_size
     mlp_cfg = SimpleNamespace(hidden_size=cfg.hidden_size, intermediate_size=s, mlp_bias=False, hidden_act="silu")
@@ -136,7 +145,7 @@ def test_is_moe_layer_matches_hf(family: str) -> None:
 
 
 def test_names_outside_the_block() -> None:
-    cfg = MoeConfig(HIDDEN, MOE_I, EXPERTS, TOP_K, False, SHARED_I)
+    cfg = sizes(False)
     for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.self_attn.q_proj.weight",
                  "model.layers.0.post_attention_layernorm.weight", "lm_head.weight"):
         assert hf_param_slice(name, cfg) is None
@@ -147,7 +156,7 @@ def test_names_outside_the_block() -> None:
 
 
 def test_meta_construction() -> None:
-    cfg = MoeConfig(HIDDEN, MOE_I, EXPERTS, TOP_K, True, SHARED_I)
+    cfg = sizes(True)
     with torch.device("meta"):
         block = block_of(cfg)
     assert all(p.is_meta for p in block.parameters())
@@ -165,7 +174,7 @@ def test_meta_construction() -> None:
 
 def test_bf16_grouped_matches_loop_and_default_is_loop_on_cpu() -> None:
     torch.manual_seed(3)
-    block = block_of(MoeConfig(HIDDEN, MOE_I, EXPERTS, TOP_K, True, SHARED_I)).to(torch.bfloat16)
+    block = block_of(sizes(True)).to(torch.bfloat16)
     x = rows().to(torch.bfloat16)
     assert_diverse_routing(block, x)
     with torch.no_grad():
@@ -177,7 +186,7 @@ def test_bf16_grouped_matches_loop_and_default_is_loop_on_cpu() -> None:
 
 def test_packed_shared_expert_keeps_output() -> None:
     torch.manual_seed(4)
-    block = block_of(MoeConfig(HIDDEN, MOE_I, EXPERTS, TOP_K, False, SHARED_I)).eval()
+    block = block_of(sizes(False)).eval()
     x = rows()
     with torch.no_grad():
         before = block(x)
@@ -203,3 +212,38 @@ def test_the_model_builds_its_sparse_layers_from_config_json(family: str) -> Non
     mine = {n: tuple(p.shape) for n, p in ours.layers[1].mlp.named_parameters()}
     assert mine["experts.gate_up_proj"] == theirs["experts.gate_up_proj"] and mine["gate.weight"] == theirs["gate.weight"]
     assert ("shared_expert_gate.weight" in mine) == ("shared_expert_gate.weight" in theirs) == (family == "qwen2_moe")
+
+
+def on_grid(w: torch.Tensor, scheme: str) -> torch.Tensor:
+    """w [N, K] rounded onto the scheme's grid, in float32: what its kernels compute with."""
+    if scheme == "int8":
+        q, s = quantize_int8(w)
+        return q.float() * s.float()[:, None]
+    q, scale, zero = quantize_int4(w)
+    return dequantize_int4(q, scale.to(COMPUTE_DTYPE), zero.to(COMPUTE_DTYPE))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_experts(scheme: str) -> None:
+    """quantize_model reaches the stacked experts: one QuantLinear per expert and projection, no
+    dense expert weight left, the router dense, and the output that of the dense block with its
+    expert weights on the scheme's grid (up to the kernels' bf16 activations)."""
+    torch.manual_seed(5)
+    block = block_of(sizes(True, shared=0)).eval()
+    x = rows()
+    assert_diverse_routing(block, x)
+    reference = copy.deepcopy(block)
+    with torch.no_grad():
+        for stacked in (reference.experts.gate_up_proj, reference.experts.down_proj):
+            stacked.copy_(torch.stack([on_grid(w, scheme) for w in stacked]))
+        expected, dense = reference(x), block(x)
+        n = quantize_model(block, scheme)
+        assert n == 2 * EXPERTS
+        assert {name for name, _ in block.named_parameters()} == {"gate.weight"}
+        assert all(isinstance(m, QuantLinear) and m.method == scheme for pair in block.experts.quantized for m in pair)
+        got = block(x)
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).norm() / b.norm()).item()
+    # the kernels round activations to bf16 (~0.4 % here); the grid itself moves the output 1 % (int8)
+    # and 13 % (int4) from the dense block's, so a dense expert left behind could not pass
+    assert rel(got, expected) < 8e-3 < rel(dense, expected), (rel(got, expected), rel(dense, expected))
