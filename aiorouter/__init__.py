@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from aiorouter.defaults import DEFAULT_POLICY, DEFAULT_POLICY_ARGS, default_models, default_router
     from aiorouter.request import GenerateResult, RouterError, RouterUnavailable, StreamEvent
+    from aiorouter.config import RouterConfig
     from aiorouter.router import Prompt, Router
     from aiorouter.spec import ModelSpec
 
@@ -21,9 +22,10 @@ _EXPORTS = {
     "default_models": "aiorouter.defaults", "default_router": "aiorouter.defaults",
     "GenerateResult": "aiorouter.request", "RouterError": "aiorouter.request",
     "RouterUnavailable": "aiorouter.request", "StreamEvent": "aiorouter.request",
-    "Prompt": "aiorouter.router", "Router": "aiorouter.router", "ModelSpec": "aiorouter.spec",
+    "Prompt": "aiorouter.router", "Router": "aiorouter.router", "RouterConfig": "aiorouter.config",
+    "ModelSpec": "aiorouter.spec",
 }
-__all__ = ["Router", "ModelSpec", "Prompt", "StreamEvent", "GenerateResult", "RouterError",
+__all__ = ["Router", "RouterConfig", "ModelSpec", "Prompt", "StreamEvent", "GenerateResult", "RouterError",
            "RouterUnavailable", "run",
            "default_models", "default_router", "DEFAULT_POLICY", "DEFAULT_POLICY_ARGS"]
 

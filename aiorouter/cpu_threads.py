@@ -28,7 +28,7 @@ def plan_threads(weights: Sequence[int], cores: int | None = None) -> list[int]:
 
 
 def resolve_threads(spec: int | Mapping[str, int] | None, names: Sequence[str], weights: Sequence[int]) -> list[int]:
-    """`Router(threads=...)`: None plans by weight, an int applies to every model, a dict names models."""
+    """`RouterConfig(threads=...)`: None plans by weight, an int applies to every model, a dict names models."""
     if spec is None:
         return plan_threads(weights)
     if isinstance(spec, bool) or not isinstance(spec, (int, Mapping)):
@@ -67,18 +67,23 @@ class CoreShare:
     @classmethod
     def plan(cls, engines: Sequence[object], threads: Sequence[int]) -> "CoreShare | None":
         """Share when every model runs on this CPU with weights to read (a sim engine sleeps; a GPU
-        model's worker only launches kernels); installs the heavy model's per-layer hook."""
+        model's worker only launches kernels). The heavy model's steps run with `heavy_layer` as
+        their layer hook (`step_fn`): passed per step, so the engines stay as they were given."""
         if len(engines) < 2 or any(e.num_params == 0 or e.device.type != "cpu" for e in engines):
             return None
         heavy = max(range(len(threads)), key=lambda i: (threads[i], -i))
-        share = cls(threads[heavy], {i: t for i, t in enumerate(threads) if i != heavy})
-        engines[heavy].set_layer_hook(share.heavy_layer)
-        return share
+        return cls(threads[heavy], {i: t for i, t in enumerate(threads) if i != heavy})
 
     def step_fn(self, index: int, fn: Callable[..., T]) -> Callable[..., T]:
         """Model `index`'s step function as its worker must call it: counted while it runs when
-        the model is a light one, unchanged for the heavy one."""
-        return functools.partial(self.run_light, index, fn) if index in self.light else fn
+        the model is a light one; for the heavy one, with `heavy_layer` as its layer hook (`fn`
+        takes a `layer_hook` keyword: Engine.execute, ModelRunner.run)."""
+        return functools.partial(self.run_light, index, fn) if index in self.light else \
+            functools.partial(fn, layer_hook=self.heavy_layer)
+
+    def layer_hook(self, index: int) -> Callable[[], None] | None:
+        """The layer hook model `index`'s steps run with (only the heavy model has one)."""
+        return None if index in self.light else self.heavy_layer
 
     def run_light(self, index: int, fn: Callable[..., T], *args) -> T:
         """Run a light model's step `fn(*args)` (in its worker thread), its threads counted."""

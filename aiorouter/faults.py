@@ -14,9 +14,11 @@ token number `after` (counting from 0), so a stream has some tokens out before i
   no per-request guard catches): a bug outside any request, so tests see the router fail every
   request at once, answer unhealthy, and restart the subserver (or give up and say so).
 
-The faults go in through the hooks that the engine (`Engine.set_fault_hook`) and the policies
-(`Policy.set_fault_hook`) expose, never by patching a live object. A router has none unless it is
-given a plan (`Router(faults=...)`, `aiorouter serve --inject-faults PLAN.json`): never in production.
+The plan wraps what the runtime calls, when the router is built with one
+(`RouterConfig(faults=...)`, `aiorouter serve --inject-faults PLAN.json`): each model's step
+function (`wrap_step`) and the policy (`wrap_policy`). The engine, the runner, the subserver and
+the policy base class know nothing of it, and a router without a plan runs none of this code:
+never in production.
 The client that sent a marked request knows it meant it to fail, so tests and the soak tell the
 failures they caused from the ones they did not.
 """
@@ -25,12 +27,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from engines import Sequence as EngineSeq
-from policies.base import ReqView
+from engines.runner import ForwardOutput, ScheduledSeq
+from policies.base import PeerReq, Policy, ReqView, StepResult
 
 STEP_KINDS = ("step", "nan", "inf", "kill")
 POLICY_KINDS = ("route", "send", "receive")
@@ -96,22 +98,102 @@ class FaultPlan:
                 return kind
         return None
 
-    # -- the hooks ---------------------------------------------------------------------------------
-    def on_step(self, seqs: list[EngineSeq], logits: torch.Tensor) -> None:
-        """Engine fault hook: logits [B, V] of the step's sampled sequences, before sampling."""
-        for row, seq in enumerate(seqs):
+    # -- the wrappers ------------------------------------------------------------------------------
+    def wrap_step(self, step: Callable[..., ForwardOutput]) -> Callable[..., ForwardOutput]:
+        """A model's step function (`Engine.execute`'s signature) that meets this plan's step faults."""
+        def faulty_step(batch: list[ScheduledSeq], *args: Any, **kwargs: Any) -> ForwardOutput:
+            out = step(batch, *args, **kwargs)
+            with torch.inference_mode():  # the runner's logits are inference tensors
+                return self._break(out)
+        return faulty_step
+
+    def _break(self, out: ForwardOutput) -> ForwardOutput:
+        """The step's output as the plan breaks it. "step" and "kill" raise after the forward: a step
+        that raises commits nothing (the engine's `finish` does not run), so its K/V are rewritten
+        alike when it runs again. "nan"/"inf" write into the row's logits [B, rows] and mark the row
+        bad, as the runner does for logits that broke by themselves."""
+        bad = list(out.bad_rows)
+        for row, seq in enumerate(out.seqs):
             kind = self.kind_of(seq.token_ids, seq.num_prompt_tokens)
             if kind == "step":
                 raise InjectedFault("injected step fault: the model step raised (test-only fault plan)")
             if kind == "kill":
                 raise SubserverKilled("injected kill: this model's subserver dies (test-only fault plan)")
-            if kind == "nan":
-                logits[row] = float("nan")
-            elif kind == "inf":
-                logits[row, seq.token_ids[-1] % logits.shape[-1]] = float("inf")
+            if kind in ("nan", "inf"):
+                if kind == "nan":
+                    out.logits[row] = float("nan")
+                else:
+                    out.logits[row, seq.token_ids[-1] % out.logits.shape[-1]] = float("inf")
+                if row not in bad:
+                    bad.append(row)
+        return out._replace(bad_rows=tuple(sorted(bad))) if len(bad) != len(out.bad_rows) else out
 
-    def on_policy(self, stage: str, reqs: Sequence[ReqView]) -> None:
-        """Policy fault hook: raises in `stage` when one of `reqs` is marked for it."""
+    def wrap_policy(self, policy: Policy) -> Policy:
+        """`policy` as the runtime calls it under this plan: route, send and receive raise for a
+        request marked for them; everything else is the policy's own."""
+        return FaultyPolicy(policy, self)
+
+    def check(self, stage: str, reqs: Sequence[ReqView]) -> None:
+        """Raise in `stage` when one of `reqs` is marked for it."""
         for r in reqs:
             if self.kind_of(r.token_ids, r.num_prompt_tokens) == stage:
                 raise InjectedFault(f"injected {stage} fault for request {r.rid} (test-only fault plan)")
+
+
+class FaultyPolicy(Policy):
+    """A policy that meets a plan's faults first (`FaultPlan.wrap_policy`). Every attribute it
+    does not define is the wrapped policy's, read live, so the runtime sees that policy's flags,
+    state and template."""
+
+    def __init__(self, inner: Policy, plan: FaultPlan):
+        self.inner, self.plan = inner, plan
+
+    def __getattr__(self, name: str) -> Any:  # only for what this class does not define
+        return getattr(self.inner, name)
+
+    # the class-level flags the runtime reads, the wrapped policy's own
+    name = property(lambda self: self.inner.name)  # type: ignore[assignment]
+    num_models = property(lambda self: self.inner.num_models)  # type: ignore[assignment]
+    needs_hidden = property(lambda self: self.inner.needs_hidden)  # type: ignore[assignment]
+    reads_logits = property(lambda self: self.inner.reads_logits)  # type: ignore[assignment]
+    commit_on_send = property(lambda self: self.inner.commit_on_send)  # type: ignore[assignment]
+    route_in_worker = property(lambda self: self.inner.route_in_worker)  # type: ignore[assignment]
+    per_request = property(lambda self: self.inner.per_request)  # type: ignore[assignment]
+
+    @property
+    def admits(self) -> bool:
+        return self.inner.admits
+
+    @property
+    def M(self) -> int:
+        return self.inner.M
+
+    def bind(self, model_names: Sequence[str]) -> None:
+        self.inner.bind(model_names)
+
+    def setup(self, models) -> None:
+        self.inner.setup(models)
+
+    def extra_rows(self, model: int) -> int:
+        return self.inner.extra_rows(model)
+
+    def admit(self, rid: str, prompt_ids: list[int], text: str | None) -> int | None:
+        return self.inner.admit(rid, prompt_ids, text)
+
+    def peers(self, model: int) -> list[int]:
+        return self.inner.peers(model)
+
+    def routing_template(self):
+        return self.inner.routing_template()
+
+    def route(self, result: StepResult):
+        self.plan.check("route", result.reqs)
+        return self.inner.route(result)
+
+    def send(self, req: ReqView) -> PeerReq:
+        self.plan.check("send", [req])
+        return self.inner.send(req)
+
+    def receive(self, peer_req: PeerReq, req: ReqView) -> list[int]:
+        self.plan.check("receive", [req])
+        return self.inner.receive(peer_req, req)

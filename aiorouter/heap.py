@@ -4,42 +4,51 @@ Weights' modules, tokenizers and torch's and transformers' imports are ~370k GC-
 that live as long as the process. Each full collection walked them all while holding the GIL,
 stalling every model's worker between kernels: freezing them made the cpu-tiny pair serve 15%
 more tokens/s at N = 4 (vLLM freezes its heap after start-up for the same reason). Objects made
-later (requests, events) are collected as usual. `gc.freeze` is process-wide, so holders are
-counted: the last one to let go unfreezes, and a closed router's cycles can be collected.
+later (requests, events) are collected as usual.
+
+`gc.freeze` is process-wide, and the GC itself says whether the heap is frozen
+(`gc.get_freeze_count`), so this module keeps no state of its own: a `FrozenHeap` is one holder's
+claim, and the holder that froze the heap unfreezes it when it lets go, so a closed router's
+cycles can be collected. A holder that finds the heap frozen already (another router's, or the
+application's own `gc.freeze`) freezes and unfreezes nothing. Two routers that overlap in one
+process lose the freeze when the first one closes: a cost in GC pauses, never in what is kept.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
-import threading
-
-_lock = threading.Lock()
-_holders = 0
+from typing import Iterator
 
 
-def hold() -> None:
-    global _holders
-    with _lock:
-        _holders += 1
-        if _holders == 1:
-            gc.collect()
-            gc.freeze()
+class FrozenHeap:
+    """One holder's claim on the frozen heap (`hold`); `release` lets go, once."""
 
+    def __init__(self, froze: bool):
+        self._froze = froze  # this holder froze the heap, so it unfreezes it
 
-def release() -> None:
-    global _holders
-    with _lock:
-        if _holders == 0:
-            return
-        _holders -= 1
-        if _holders == 0:
+    @classmethod
+    def hold(cls) -> "FrozenHeap":
+        if gc.get_freeze_count() > 0:
+            return cls(froze=False)
+        gc.collect()
+        gc.freeze()
+        return cls(froze=True)
+
+    def release(self) -> None:
+        if self._froze:
+            self._froze = False
             gc.unfreeze()
 
 
+def hold() -> FrozenHeap:
+    """Freeze the heap now (unless it is frozen already) -> the claim to release."""
+    return FrozenHeap.hold()
+
+
 @contextlib.contextmanager
-def frozen():
-    hold()
+def frozen() -> Iterator[FrozenHeap]:
+    claim = FrozenHeap.hold()
     try:
-        yield
+        yield claim
     finally:
-        release()
+        claim.release()

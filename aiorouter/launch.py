@@ -1,9 +1,13 @@
 """Launch control: when each model may launch its next step, and the inboxes that wake it.
 
 One object, handed by the router to every subserver, owns what the launch decision reads across
-models: the inboxes (a handoff is a put on the peer's queue), messages posted and not yet handled,
+models: the inboxes (a handoff is a post to the peer's), messages posted and not yet handled,
 models inside a step, each model's ready count, the delayed-batching thresholds, stalls and kicks,
 and step-sync's rounds. All of it runs on the event loop; nothing here blocks.
+
+A subserver asks one question, `decide`: may it launch now, or how long should it wait for a
+message first. Around it, it takes its messages (`take`, `wait`), reports what it has ready
+(`set_ready`) and brackets its steps (`stepping`); everything else stays in here.
 
 Modes (one subserver loop serves all three):
 - `eager`: launch whenever something is ready.
@@ -21,7 +25,9 @@ and a sync round opens only once no model is stepping, so steps begun under anot
 from __future__ import annotations
 
 import asyncio
-from typing import Mapping
+import collections
+import contextlib
+from typing import Iterator, Mapping, NamedTuple
 
 from aiorouter.request import Handoff, NewRequest, Wake
 
@@ -59,13 +65,23 @@ def should_launch(ready: int, threshold: int, num_active: int) -> bool:
     return ready > 0 and (ready >= threshold or ready >= num_active)
 
 
+class Decision(NamedTuple):
+    """`LaunchControl.decide`'s answer for one model."""
+
+    now: bool  # launch a step now
+    # otherwise (or when the launch found nothing to run): wait this long for a message, then
+    # launch what is here (the max-wait bound); None: wait for a message however long it takes
+    wait_s: float | None
+
+
 class LaunchControl:
     def __init__(self, mode: str, num_models: int, max_concurrency: int,
                  thresholds: Mapping[int, tuple[int, ...]] | None = None, max_wait_s: float | None = None):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
         self.mode, self.num_models, self.max_concurrency, self.max_wait_s = mode, num_models, max_concurrency, max_wait_s
-        self.inboxes = [asyncio.Queue() for _ in range(num_models)]
+        self._inboxes: list[collections.deque] = [collections.deque() for _ in range(num_models)]
+        self._arrived = [asyncio.Event() for _ in range(num_models)]  # set when a message is posted
         self.table: dict[int, tuple[int, ...]] = dict(thresholds or {n: (1,) * num_models
                                                                      for n in range(1, max_concurrency + 1)})
         # per N: the schedule run at that active count (only `delayed` mode varies it; see set_schedule)
@@ -82,21 +98,38 @@ class LaunchControl:
     def post(self, model: int, msg: object) -> None:
         if isinstance(msg, (NewRequest, Handoff)):
             self.in_flight += 1
-        self.inboxes[model].put_nowait(msg)
+        self._inboxes[model].append(msg)
+        self._arrived[model].set()
 
-    def handled(self, msg: object) -> None:
-        """The receiving subserver has handled `msg` (its ready count is reported next)."""
-        if isinstance(msg, (NewRequest, Handoff)):
-            self.in_flight -= 1
+    def take(self, model: int) -> list[object]:
+        """Every message waiting for `model`, in order, taken out of its inbox. They count as
+        handled now: the subserver handles them and reports its ready count before it next awaits,
+        so no other model can decide in between."""
+        inbox = self._inboxes[model]
+        if not inbox:
+            return []
+        msgs = list(inbox)
+        inbox.clear()
+        self.in_flight -= sum(isinstance(m, (NewRequest, Handoff)) for m in msgs)
+        return msgs
+
+    async def wait(self, model: int, timeout: float | None) -> bool:
+        """Wait until a message for `model` is posted (True) or `timeout` seconds pass (False)."""
+        if self._inboxes[model]:
+            return True
+        arrived = self._arrived[model]
+        arrived.clear()
+        try:
+            await asyncio.wait_for(arrived.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def reset(self, model: int) -> list[object]:
         """`model`'s subserver died and restarts: its inbox is emptied (the messages name requests
         the router has failed, and sequences of the engine state it drops) -> those messages. It
         has nothing ready, is owed by no round, and is not kicked."""
-        inbox, dropped = self.inboxes[model], []
-        while not inbox.empty():
-            dropped.append(inbox.get_nowait())
-            self.handled(dropped[-1])
+        dropped = self.take(model)
         self.kicked[model] = False
         self.set_ready(model, 0)
         return dropped
@@ -132,9 +165,6 @@ class LaunchControl:
         k = min(max(1, n), self.max_concurrency)
         return self.modes[k], self.table[k]
 
-    def set_thresholds(self, table: Mapping[int, tuple[int, ...]]) -> None:
-        self.set_schedule(table, None)
-
     def set_schedule(self, table: Mapping[int, tuple[int, ...]], modes: Mapping[int, str] | None) -> None:
         """Thresholds per N and, in `delayed` mode, the schedule per N: "delayed" (with those
         thresholds), "eager" or "sync". An N missing from `modes` runs delayed."""
@@ -159,6 +189,20 @@ class LaunchControl:
         return self.table[min(max(1, n), self.max_concurrency)]
 
     # -- the decision ----------------------------------------------------------------------------
+    def decide(self, model: int) -> Decision:
+        """May `model` launch a step now (by its mode, an open sync round, or as the one kicked out
+        of a stall), and how long it waits for a message when it does not."""
+        return Decision(self.may_launch(model) or self._kick_if_stalled(model), self._wait_bound(model))
+
+    @contextlib.contextmanager
+    def stepping(self, model: int) -> Iterator[None]:
+        """`model` is inside a step (launched or not: it may find nothing to run)."""
+        self.started(model)
+        try:
+            yield
+        finally:
+            self.ended(model)
+
     def may_launch(self, model: int) -> bool:
         ready = self.ready[model]
         if ready == 0:
@@ -185,7 +229,7 @@ class LaunchControl:
         if self.mode_now == "sync" and self.busy == 0 and not self.round:
             self.wake_all(but=model)  # the round is over: whoever has work may open the next
 
-    def kick_if_stalled(self, model: int) -> bool:
+    def _kick_if_stalled(self, model: int) -> bool:
         """Delayed mode, `model` waits below its threshold: if no model is stepping and nothing is in
         flight, nothing changes unless someone launches, so the model with the most ready requests
         does (the active count can fall below what the thresholds were solved for as load drains).
@@ -198,6 +242,6 @@ class LaunchControl:
             self.post(best, Wake())
         return best == model
 
-    def wait_timeout(self, model: int) -> float | None:
+    def _wait_bound(self, model: int) -> float | None:
         """How long `model` may wait on its inbox: the max-wait bound while requests wait below a threshold."""
         return self.max_wait_s if self.mode_now == "delayed" and self.ready[model] and self.max_wait_s else None

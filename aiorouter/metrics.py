@@ -4,9 +4,9 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from aiorouter.tuning.served import StepSpan
+from aiorouter.tuning.learned import StepSpan
 
-SPANS_KEPT = 2000  # per model: the last this many forwards' spans (aiorouter.tuning.served)
+SPANS_KEPT = 2000  # per model: the last this many forwards' spans (aiorouter.tuning.learned)
 
 
 @dataclass
@@ -75,17 +75,3 @@ class RouterMetrics:
     @property
     def tokens_committed(self) -> int:
         return sum(m.tokens_committed for m in self.models.values())
-
-    def snapshot(self) -> dict:
-        return {
-            "active": self.active, "requests_started": self.requests_started,
-            "requests_finished": dict(self.requests_finished), "requests_failed": self.requests_failed,
-            "handoffs": {f"{a}->{b}": n for (a, b), n in self.handoffs.items()},
-            "models": {name: {"tokens_committed": m.tokens_committed, "steps": m.steps,
-                              "mean_batch_size": m.mean_batch_size, "batch_sizes": dict(m.batch_sizes),
-                              "mean_admission_delay_s": m.mean_admission_delay,
-                              "mean_loop_s": m.mean_overhead[0], "mean_hop_s": m.mean_overhead[1],
-                              "kv_pages_used": m.kv_pages_used, "kv_pages_total": m.kv_pages_total,
-                              "queue_len": m.queue_len, "pending": m.pending}
-                       for name, m in self.models.items()},
-        }

@@ -1,6 +1,8 @@
-"""The router's active requests and how they end. Tokens are committed here and only here
-(engines/output.py does the stop checks and the text), so each is streamed once, in order,
-whichever model made it; an ending releases the request's KV on every model that holds it."""
+"""The router's active requests and how they end. Each committed token is streamed here, once, in
+order, whichever model made it: a token a model keeps is committed by its engine
+(`Engine.commit`, which feeds the request's output stream: stop checks, text) and published here;
+the tokens a policy's send carries are committed to the stream here. An ending releases the
+request's KV on every model that holds it."""
 from __future__ import annotations
 
 import time
@@ -10,7 +12,7 @@ from aiorouter.launch import LaunchControl
 from aiorouter.metrics import RouterMetrics
 from aiorouter.request import Release, RouterError, RouterRequest, StreamEvent
 from engines import SamplingParams
-from engines.output import OutputStream
+from engines.output import Commit, OutputStream
 from policies.base import Policy
 
 
@@ -32,24 +34,33 @@ class RequestTable:
         return req
 
     def commit(self, req: RouterRequest, tokens: list[int], model: int) -> None:
-        """`model` commits `tokens` for `req`: each is streamed as one event; a stop ends the request."""
-        name = self.names[model]
+        """`model` commits `tokens` for `req` that no engine sequence takes (the tokens a policy's
+        send carries): each is streamed as one event; a stop ends the request."""
         for t in tokens:
             if req.finished:
                 return
             try:
                 c = req.out.append(t)
-            except Exception as e:  # detokenizing or a stop check raised: this request fails, not its model
-                self.fail(req, RouterError(f"committing output token {req.num_output_tokens} (id {t}) from model "
-                                           f"{name!r} failed: {e!r}"))
+            except Exception as e:
+                self.failed_commit(req, t, model, e)
                 return
-            req.trace.append(model)
-            self.metrics.models[name].tokens_committed += 1
-            if req.t_first_token is None:
-                req.t_first_token = time.perf_counter()
-            req.events.put_nowait(StreamEvent(t, c.text, name, req.num_output_tokens - 1, c.finish_reason))
-            if c.finish_reason is not None:
-                self._end(req)
+            self.publish(req, t, c, model)
+
+    def publish(self, req: RouterRequest, token: int, c: Commit, model: int) -> None:
+        """`token`, committed to `req`'s output by `model` (`c`), goes out as one event; a stop ends the request."""
+        name = self.names[model]
+        req.trace.append(model)
+        self.metrics.models[name].tokens_committed += 1
+        if req.t_first_token is None:
+            req.t_first_token = time.perf_counter()
+        req.events.put_nowait(StreamEvent(token, c.text, name, req.num_output_tokens - 1, c.finish_reason))
+        if c.finish_reason is not None:
+            self._end(req)
+
+    def failed_commit(self, req: RouterRequest, token: int, model: int, err: Exception) -> None:
+        """Detokenizing or a stop check raised on `token`: this request fails, not its model."""
+        self.fail(req, RouterError(f"committing output token {req.num_output_tokens} (id {token}) from model "
+                                   f"{self.names[model]!r} failed: {err!r}"))
 
     def finish(self, req: RouterRequest, reason: str = "stop") -> None:
         """End a request that committed no stop token (a policy's finished PeerReq)."""

@@ -2,25 +2,28 @@
 may hand a request to another model after any step. Request-centric programming, model-centric
 execution.
 
-Who owns what: `ModelSpec.build` makes each engine and sizes its KV; `LaunchControl` decides when
-each model launches; a `Subserver` per model runs its steps and applies the policy; the
-`RequestTable` commits tokens and ends requests; `TuningService` picks the delayed-batching
-thresholds. The router wires them at `start` and answers clients.
+Who owns what: `RouterConfig` says how to serve; `ModelSpec.build` makes each engine and sizes its
+KV; `LaunchControl` decides when each model launches; a `Subserver` per model runs its steps and
+applies the policy; each engine commits the tokens its model keeps (`Engine.commit`); the
+`RequestTable` streams every committed token and ends requests; `TuningService` picks the
+delayed-batching thresholds. The router wires them at `start` and answers clients; it changes no
+engine it is handed (what it needs per step, it passes per step).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping
 
 import jinja2
 
 from aiorouter import heap
 from aiorouter.cpu_threads import CoreShare, resolve_threads
-from aiorouter.faults import FaultPlan
+from aiorouter.config import RouterConfig
 from aiorouter.launch import MODES, LaunchControl, parse_thresholds
 from aiorouter.metrics import RouterMetrics
 from aiorouter.request import GenerateResult, NewRequest, RouterError, RouterRequest, RouterUnavailable, StreamEvent
@@ -29,6 +32,7 @@ from aiorouter.spec import ModelSpec
 from aiorouter.subserver import Subserver
 from engines import Engine, SamplingParams
 from engines.engine import KVUsage
+from engines.runner import ForwardOutput
 from engines.streams import StreamFactory
 from policies import ModelInfo, Policy, make_policy
 
@@ -45,49 +49,28 @@ RESTART_WINDOW_S = 600.0
 
 
 class Router:
-    def __init__(self, models: Mapping[str, str | Path | dict | ModelSpec | Engine], policy: str | Policy = "single",
-                 policy_args: dict[str, Any] | None = None, entry: str | None = None, device: str = "cpu",
-                 mode: str = "delayed", thresholds: object = "auto", max_concurrency: int = 64,
-                 max_wait_ms: float | None = None, kv_memory_gb: float = 2.0, tune_concurrency: int | None = None,
-                 threads: int | Mapping[str, int] | None = None, retune: bool = True,
-                 faults: FaultPlan | None = None, max_restarts: int = 3, restart_delay_s: float = 0.5):
-        """`retune`: with thresholds="auto", re-solve the schedule while serving when the routing or
-        the served step times drift from what it was solved for (in a child process at idle
-        priority; still ~10-15 % of throughput while it runs on a 2-core CPU host, docs/throughput-model.md).
-        False keeps the start-up schedule.
-        `max_restarts`, `restart_delay_s`: a request's failure fails that request alone; a model's
-        subserver task that dies anyway (a bug outside any request) fails every request the router
-        holds at once and is restarted with a fresh engine state after `restart_delay_s`, doubled
-        for each restart before it in the last 10 minutes (a crash loop backs off, as supervisors
-        do); meanwhile `health()` names it and `submit` raises RouterUnavailable. After
-        `max_restarts` restarts in 10 minutes it stays down: `dead` says why and `wait_dead()`
-        returns (`aiorouter serve` then exits with status 1, for its supervisor to restart).
-        `faults`: test-only, requests that fail on purpose (aiorouter/faults.py); never in production."""
-        if not isinstance(retune, bool):
-            raise ValueError(f"retune must be True or False, got {retune!r}")
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-            raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
-        if not isinstance(restart_delay_s, (int, float)) or not 0 <= restart_delay_s < float("inf"):
-            raise ValueError(f"restart_delay_s must be a finite number >= 0, got {restart_delay_s!r}")
+    def __init__(self, models: Mapping[str, str | Path | dict | ModelSpec | Engine],
+                 config: RouterConfig = RouterConfig()):
+        """`models`: name -> a model (ModelSpec, or what `ModelSpec.coerce` reads), or an Engine,
+        served as given and left as it was (built in memory, or shared between routers one after
+        another). `config`: how to serve them (RouterConfig)."""
+        if not isinstance(config, RouterConfig):
+            raise TypeError(f"config must be a RouterConfig, got {type(config).__name__}")
         if not models:
             raise ValueError("a router needs at least one model")
+        self.config = config
         self.names = list(models)
-        # an Engine is served as given (built in memory, or shared between routers one after another)
         self.specs = [v if isinstance(v, Engine) else ModelSpec.coerce(v) for v in models.values()]
-        if entry is not None and entry not in self.names:
-            raise ValueError(f"unknown entry model {entry!r}; models: {', '.join(self.names)}")
-        self.entry = self.names.index(entry) if entry is not None else 0
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
-        self.mode, self.device, self.max_concurrency = mode, device, max_concurrency
-        self.max_wait_s = max_wait_ms / 1000 if max_wait_ms else None
-        self.kv_memory_gb, self.tune_concurrency = kv_memory_gb, tune_concurrency
-        resolve_threads(threads, self.names, [0] * len(self.names))  # bad input fails here, not at start()
-        self.threads = threads
-        self.policy = make_policy(policy, policy_args)
-        self.policy.bind(self.names)
-        self.faults, self.retune = faults, retune
-        self._fixed_thresholds = parse_thresholds(thresholds, self.names, max_concurrency)
+        if config.entry is not None and config.entry not in self.names:
+            raise ValueError(f"unknown entry model {config.entry!r}; models: {', '.join(self.names)}")
+        self.entry = self.names.index(config.entry) if config.entry is not None else 0
+        self.mode, self.device, self.max_concurrency = config.mode, config.device, config.max_concurrency
+        resolve_threads(config.threads, self.names, [0] * len(self.names))  # bad input fails here, not at start()
+        policy = make_policy(config.policy, config.policy_args)
+        policy.bind(self.names)
+        # under a fault plan (tests only) the router calls the policy through it: built here, once
+        self.policy = config.faults.wrap_policy(policy) if config.faults is not None else policy
+        self._fixed_thresholds = parse_thresholds(config.thresholds, self.names, config.max_concurrency)
         self.metrics = RouterMetrics(models={})
         self.subservers: list[Subserver] = []
         self.tokenizer = None
@@ -97,12 +80,11 @@ class Router:
         self._requests: RequestTable | None = None
         self._tasks: list[asyncio.Task] = []
         self._eos_ids: tuple[int, ...] = ()
-        self._holds_heap = False
+        self._heap: heap.FrozenHeap | None = None
         self._core_share: CoreShare | None = None
         self.streams = StreamFactory()  # every model's CUDA streams are its own (engines/streams.py)
         self._models: list[ModelInfo] = []  # what each model is, for the policy's setup
         self._extra_rows: list[int] = []  # per model: output rows past the shared vocabulary
-        self.max_restarts, self.restart_delay_s = max_restarts, float(restart_delay_s)
         self._down: dict[str, str] = {}  # model -> why its subserver is not serving now
         self._restarts: list[float] = []  # when each restart within RESTART_WINDOW_S happened
         self._restarting: set[asyncio.Task] = set()
@@ -119,44 +101,49 @@ class Router:
             if not isinstance(s, Engine):
                 log.info("loading model %s: %s", name, s.path if s.engine == "real" else "simulated")
             engines.append(s if isinstance(s, Engine) else
-                           await asyncio.to_thread(s.build, self.device, self.kv_memory_gb, len(self.specs),
+                           await asyncio.to_thread(s.build, self.device, self.config.kv_memory_gb, len(self.specs),
                                                    self.streams))
         self._models = [ModelInfo(n, str(e.path) if e.path is not None else None, e.model_config.vocab_size,
                                   e.model_config.hidden_size, str(e.devices[-1])) for n, e in zip(self.names, engines)]
         self.policy.setup(self._models)
-        self._extra_rows = self._vocabulary_check(self.policy)
-        for e, x in zip(engines, self._extra_rows):
-            e.reserve_output_rows(x)
+        self._extra_rows = [e.check_reserved_rows(x) for e, x in zip(engines, self._vocabulary_check(self.policy))]
         self.tokenizer = engines[self.entry].tokenizer
         self._eos_ids = engines[self.entry].model_config.eos_token_ids
         self.max_model_len = min(e.max_model_len for e in engines)
         self._launch = LaunchControl(self.mode, len(engines), self.max_concurrency, self._fixed_thresholds,
-                                     self.max_wait_s)
+                                     self.config.max_wait_s)
         self._requests = RequestTable(self.names, self.metrics, self._launch)
         threads = self._intra_op_threads(engines)
         # every model on this CPU: the heaviest lends cores to the others' steps (cpu_threads.CoreShare)
-        share = self._core_share = CoreShare.plan(engines, threads)
+        self._core_share = CoreShare.plan(engines, threads)
         self.tuning = self._make_tuning()
         observe = self.tuning.observe if self.tuning is not None else None
         observe_step = self.tuning.observe_step if self.tuning is not None else None
-        self.subservers = [Subserver(i, n, e, self._launch, self._requests, t, share, observe, observe_step)
-                           for i, (n, e, t) in enumerate(zip(self.names, engines, threads))]
+        self.subservers = [Subserver(i, n, e, self._launch, self._requests, t, self._step_fn(i, e), x,
+                                     observe, observe_step)
+                           for i, (n, e, t, x) in enumerate(zip(self.names, engines, threads, self._extra_rows))]
         self.metrics.models.update({s.name: s.metrics for s in self.subservers})
         if self.tuning is not None:
             from engines.profile import profile_dispatched_latency
             # timed from the loop: the hop to the worker and back is part of every step the chain models
             await self.tuning.start([lambda sizes, s=s: profile_dispatched_latency(s.engine, s.executor, sizes)
                                      for s in self.subservers], lambda cap: self._profile_contention(cap, threads))
-        if self.faults is not None:
-            log.warning("fault injection is on (test-only): prompts that start with a marker fail on purpose")
-            self.policy.set_fault_hook(self.faults.on_policy)
-            for e in engines:
-                e.set_fault_hook(self.faults.on_step)
         self._dead_event, self.dead, self._down, self._restarts = asyncio.Event(), None, {}, []
         self._tasks = [self._run_subserver(s) for s in self.subservers]
-        heap.hold()  # start-up objects out of the cyclic GC while this router serves (aiorouter.heap)
-        self._holds_heap = True
+        self._heap = heap.FrozenHeap.hold()  # start-up objects out of the cyclic GC while this router serves
         return self
+
+    def _step_fn(self, index: int, engine: Engine) -> Callable[..., ForwardOutput]:
+        """Model `index`'s step function, as its worker calls it: the engine's forward with this
+        router's reserved output rows, under the fault plan when there is one (tests only), and
+        counted or hooked by the core share on a shared CPU. Everything is passed per step: the
+        engine is left as it was handed."""
+        step = functools.partial(engine.execute, reserved_rows=self._extra_rows[index])
+        if self.config.faults is not None:
+            if index == 0:
+                log.warning("fault injection is on (test-only): prompts that start with a marker fail on purpose")
+            step = self.config.faults.wrap_step(step)
+        return self._core_share.step_fn(index, step) if self._core_share is not None else step
 
     def _vocabulary_check(self, policy: Policy) -> list[int]:
         """-> per model, the output rows past the shared vocabulary that `policy` reads (never sampled)."""
@@ -184,8 +171,8 @@ class Router:
         if self._fixed_thresholds is not None or self.mode != "delayed" or template is None or len(self.names) == 1:
             return None
         from aiorouter.tuning.service import RESOLVE_EVERY, TuningService
-        return TuningService(self.names, template, self.max_concurrency, self.tune_concurrency,
-                             self._launch.set_schedule, RESOLVE_EVERY if self.retune else None)
+        return TuningService(self.names, template, self.max_concurrency, self.config.tune_concurrency,
+                             self._launch.set_schedule, RESOLVE_EVERY if self.config.retune else None)
 
     async def _profile_contention(self, cap: int, threads: list[int]) -> list:
         """How much the models slow each other (engines.profile.profile_contention), measured in
@@ -204,7 +191,8 @@ class Router:
     def _intra_op_threads(self, engines) -> list[int]:
         """Intra-op threads of each model's worker (CPU only; on GPU the worker just launches kernels)."""
         on_cpu = [all(d.type == "cpu" for d in e.devices) for e in engines]
-        planned = resolve_threads(self.threads, self.names, [e.num_params if c else 0 for e, c in zip(engines, on_cpu)])
+        planned = resolve_threads(self.config.threads, self.names,
+                                  [e.num_params if c else 0 for e, c in zip(engines, on_cpu)])
         return [t if c else 1 for t, c in zip(planned, on_cpu)]
 
     def _run_subserver(self, s: Subserver) -> asyncio.Task:
@@ -223,12 +211,12 @@ class Router:
         log.error("%s; failing every request in flight", why, exc_info=err)
         now = time.monotonic()
         self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
-        if len(self._restarts) >= self.max_restarts:
+        if len(self._restarts) >= self.config.max_restarts:
             self.dead = self._down[name] = (
                 f"{why}; it has been restarted {len(self._restarts)} times in the last {RESTART_WINDOW_S:.0f} s "
-                f"(max_restarts={self.max_restarts}), so it stays down")
+                f"(max_restarts={self.config.max_restarts}), so it stays down")
         else:
-            delay = self.restart_delay_s * 2 ** len(self._restarts)
+            delay = self.config.restart_delay_s * 2 ** len(self._restarts)
             self._restarts.append(now)
             self._down[name] = f"{why}; restarting it in {delay:.1f} s"
             restart = asyncio.get_running_loop().create_task(self._restart(index, delay),
@@ -285,25 +273,15 @@ class Router:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for s, x in zip(self.subservers, self._extra_rows):
+        for s in self.subservers:
             s.drain()  # the releases the aborts posted: every KV page back
             await asyncio.to_thread(s.close)
-            if x:  # an engine given to the router may serve elsewhere later: its rows are tokens again
-                s.engine.reserve_output_rows(0)
-        if self._core_share is not None:  # an engine given to the router may serve another one later
-            for s in self.subservers:
-                if s.engine.layer_hook is not None:
-                    s.engine.set_layer_hook(None)
-            self._core_share = None
-        if self.faults is not None:  # the engines and the policy may serve on elsewhere
-            self.policy.set_fault_hook(None)
-            for s in self.subservers:
-                s.engine.set_fault_hook(None)
+        self._core_share = None
         self._tasks = []
         self._closing = False
-        if self._holds_heap:
-            heap.release()
-            self._holds_heap = False
+        if self._heap is not None:
+            self._heap.release()
+            self._heap = None
 
     stop = close
 
@@ -317,6 +295,11 @@ class Router:
     @property
     def started(self) -> bool:
         return bool(self._tasks)
+
+    @property
+    def core_share(self) -> CoreShare | None:
+        """How the models on this CPU lend each other cores while serving (None: they do not)."""
+        return self._core_share
 
     @property
     def num_active(self) -> int:
@@ -335,7 +318,7 @@ class Router:
         """Run `schedule` ("delayed" with `thresholds`, "eager" or "sync") at every concurrency from
         now on, while serving: requests in flight carry on under it, as they do when the tuner swaps
         a schedule. For a caller that picks the schedule itself, and for A/B measurements of the
-        schedules on one warm router and one stationary load (bench.modes --interleave). Needs a
+        schedules on one warm router and one stationary load (bench.modes). Needs a
         delayed-mode router with fixed thresholds: a tuned one's tuner would overwrite it."""
         if not self._tasks:
             raise RuntimeError("router is not started: use `async with Router(...)` or `await router.start()`")
@@ -411,18 +394,18 @@ class Router:
                                 min_p=min_p, seed=seed, stop=tuple([stop] if isinstance(stop, str) else (stop or ())),
                                 ignore_eos=ignore_eos)
         ids = self.prompt_ids(prompt)
-        self.subservers[self.entry].engine.validate_prompt(ids)
+        self.subservers[self.entry].engine.validate_prompt(ids, self._extra_rows[self.entry])
         for s in self.subservers:
             if len(ids) >= s.engine.max_model_len:
                 raise ValueError(f"prompt has {len(ids)} tokens; model {s.name!r} has context {s.engine.max_model_len}")
         if policy is not None:
             policy.bind(self.names)
-            if self.faults is not None:
-                policy.set_fault_hook(self.faults.on_policy)
             policy.setup(self._models)
             if self._vocabulary_check(policy) != self._extra_rows:
                 raise ValueError(f"policy {policy.name!r} reads other output rows than the router's "
                                  f"policy {self.policy.name!r}: it cannot route this router's requests")
+            if self.config.faults is not None:  # tests only: this request's policy meets the plan too
+                policy = self.config.faults.wrap_policy(policy)
         pol = policy or self.policy
         req = self._requests.new(ids, params, pol, self.tokenizer, self._eos_ids, self.max_model_len)
         self._launch.post(self._admit(pol, req, prompt, ids), NewRequest(req))
@@ -433,7 +416,7 @@ class Router:
         and is raised; any other failure of the policy fails this request only."""
         try:
             # the text is only built for a policy that admits (decoding token ids costs per request)
-            text = self._query_text(prompt, ids, self.tokenizer) if type(policy).admit is not Policy.admit else None
+            text = self._query_text(prompt, ids, self.tokenizer) if policy.admits else None
             start = policy.admit(req.rid, ids, text)
             start = self.entry if start is None else int(start)
             if not 0 <= start < len(self.names):

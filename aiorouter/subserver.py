@@ -3,7 +3,9 @@ worker thread (its CUDA stream on GPU). It never waits for another model: peers 
 its inbox, and the launch decision it shares with them lives in `LaunchControl`.
 
 A step is schedule -> execute (in the worker thread) -> finish, then the policy routes the batch:
-each request stays (its token is committed) or is handed off with the policy's `PeerReq`.
+each request stays or is handed off with the policy's `PeerReq`. The engine commits the tokens that
+stay, all of a step's in one call (`Engine.commit`); the request table streams them. When to step
+is `LaunchControl.decide`'s answer: the subserver holds no launch state of its own.
 """
 from __future__ import annotations
 
@@ -15,13 +17,12 @@ from typing import Callable
 
 import torch
 
-from aiorouter.cpu_threads import CoreShare
 from aiorouter.launch import LaunchControl
 from aiorouter.metrics import ModelMetrics
 from aiorouter.request import Handoff, NewRequest, Release, RouterError, RouterRequest, Wake
 from aiorouter.requests import RequestTable
-from aiorouter.tuning.served import StepSpan
-from engines import Engine
+from aiorouter.tuning.learned import StepSpan
+from engines import Engine, Sequence
 from engines.runner import ForwardOutput, ScheduledSeq
 from policies.base import STAY, PeerReq, Policy, ReqView, StepResult
 
@@ -29,12 +30,16 @@ log = logging.getLogger("aiorouter.subserver")
 
 RouteObserver = Callable[[int, int, int], None]  # (from model, to model, tokens committed)
 StepObserver = Callable[[int, StepSpan, float, float], None]  # (model, its forward's span, seconds of loop work around it, of the hop)
+StepFn = Callable[[list[ScheduledSeq], bool], ForwardOutput]  # (batch, want hidden) -> output
 
 
 class Subserver:
     def __init__(self, index: int, name: str, engine: Engine, launch: LaunchControl, requests: RequestTable,
-                 num_threads: int, core_share: CoreShare | None = None, observe: RouteObserver | None = None,
-                 observe_step: StepObserver | None = None):
+                 num_threads: int, step_fn: StepFn | None = None, reserved_rows: int = 0,
+                 observe: RouteObserver | None = None, observe_step: StepObserver | None = None):
+        """`step_fn`: the forward as the worker runs it (`Engine.execute`'s signature; the router
+        builds it, see Router._step_fn); None: the engine's own. `reserved_rows`: output rows past
+        the shared vocabulary (the policy's, never sampled)."""
         self.index, self.name, self.engine = index, name, engine
         self.launch, self.requests, self.observe, self.observe_step = launch, requests, observe, observe_step
         self.metrics = ModelMetrics(kv_pages_total=engine.kv_usage().pages_total)
@@ -42,8 +47,8 @@ class Subserver:
         # loop stays free. Its intra-op thread count is set inside that thread (per-thread in OpenMP).
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"aiorouter-{name}",
                                            initializer=torch.set_num_threads, initargs=(num_threads,))
-        # on a shared CPU a light model's step is counted while it runs (cpu_threads.CoreShare)
-        self._execute = core_share.step_fn(index, engine.execute) if core_share is not None else engine.execute
+        self._execute = step_fn or engine.execute
+        self.vocab_size = engine.model_config.vocab_size - reserved_rows  # the rows that are tokens
 
     async def in_worker(self, fn: Callable, *args):
         """Run fn(*args) in this model's worker thread (profiling runs where the model serves)."""
@@ -54,26 +59,24 @@ class Subserver:
         """One inbox message. A request that cannot be admitted or resumed here fails alone; a
         Release that fails is the engine's state gone wrong, which ends this subserver's task (the
         router then fails every request and restarts it with a fresh engine state)."""
-        try:
-            if isinstance(msg, (NewRequest, Handoff)):
-                try:
-                    self._arrive(msg.req, msg.req.token_ids[:]) if isinstance(msg, NewRequest) else self._receive(msg)
-                except Exception as e:
-                    log.warning("model %s: request %s failed on arrival: %r", self.name, msg.req.rid, e)
-                    self.requests.fail(msg.req, RouterError(f"model {self.name!r} could not take this request: {e!r}"))
-            elif isinstance(msg, Release):
-                seq = msg.req.local[self.index]
-                if seq is not None and not seq.is_finished:
-                    self.engine.release(seq, msg.req.finish_reason or "abort")
-            elif not isinstance(msg, Wake):
-                raise TypeError(f"subserver {self.name}: unknown message {type(msg).__name__}")
-        finally:
-            self.launch.handled(msg)
+        if isinstance(msg, (NewRequest, Handoff)):
+            try:
+                self._arrive(msg.req, msg.req.token_ids[:]) if isinstance(msg, NewRequest) else self._receive(msg)
+            except Exception as e:
+                log.warning("model %s: request %s failed on arrival: %r", self.name, msg.req.rid, e)
+                self.requests.fail(msg.req, RouterError(f"model {self.name!r} could not take this request: {e!r}"))
+        elif isinstance(msg, Release):
+            seq = msg.req.local[self.index]
+            if seq is not None and not seq.is_finished:
+                self.engine.release(seq, msg.req.finish_reason or "abort")
+        elif not isinstance(msg, Wake):
+            raise TypeError(f"subserver {self.name}: unknown message {type(msg).__name__}")
 
     def drain(self) -> None:
-        inbox = self.launch.inboxes[self.index]
-        while not inbox.empty():
-            self.handle(inbox.get_nowait())
+        """Handle every message waiting (and those handling them posts here), then report."""
+        while msgs := self.launch.take(self.index):
+            for msg in msgs:
+                self.handle(msg)
         self._report()
 
     def reset(self) -> None:
@@ -93,10 +96,7 @@ class Subserver:
         if req.finished:
             return
         try:
-            view = self._view(req)
-            if req.policy.fault_hook is not None:
-                req.policy.fault_hook("receive", [view])
-            tokens = list(req.policy.receive(pr, view))
+            tokens = list(req.policy.receive(pr, self._view(req)))
             seen = req.seen[self.index]
             if tokens != req.token_ids[seen:seen + len(tokens)]:
                 raise RouterError(f"policy {req.policy.name!r}.receive on {self.name!r} returned tokens that are not "
@@ -108,31 +108,35 @@ class Subserver:
         self._arrive(req, tokens)
 
     def _arrive(self, req: RouterRequest, tokens: list[int]) -> None:
-        """The request is now this model's: append what it has not seen and make it ready."""
+        """The request is now this model's: its engine takes what it has not seen and makes it ready."""
         if req.finished:
             return
         req.at = self.index
         seq = req.local[self.index]
         if seq is None:  # first visit: prefix matching and admission
-            seq = req.local[self.index] = self.engine.add(tokens, req.sampling, req.num_prompt_tokens, user_data=req)
+            seq = req.local[self.index] = self.engine.add(tokens, req.sampling, req.num_prompt_tokens,
+                                                          user_data=req, output=req.out)
         else:  # handoff-resume: KV kept, just extend
             self.engine.resume(seq, tokens)
         req.seen[self.index] = len(seq.token_ids)
-        seq.t_ready = time.perf_counter()
 
     # -- one step ----------------------------------------------------------------------------
     async def step(self, since: float | None = None) -> bool:
         """Schedule, run and route one batch. False when nothing could be scheduled. `since`: when
         the loop's work towards this step began (the messages that made it ready, handled first)."""
-        self.launch.started(self.index)
+        with self.launch.stepping(self.index):
+            return await self._step(since or time.perf_counter())
+
+    async def _step(self, since: float) -> bool:
         parts: list[tuple[list[ScheduledSeq], ForwardOutput, StepSpan]] = []
-        t0 = t_back = since = since or time.perf_counter()
+        t0 = t_back = since
         try:
             batch = self.engine.schedule()
             if not batch:
                 return False
             t0 = time.perf_counter()
-            self._admitted(batch, t0)
+            for wait in self.engine.waits(batch, t0):
+                self.metrics.record_admission(wait)
             parts = await self._isolating(batch)
             t_back = time.perf_counter()
             for part, out, _ in parts:
@@ -148,14 +152,13 @@ class Subserver:
                 await self.route(out)
             return True
         finally:
-            self.launch.ended(self.index)
             self._report()
             if len(parts) == 1:  # (a step rerun in parts is not a step's cost)
                 # What this step cost beyond its forward: the loop's work before the hop to the
                 # worker and after it, and the hop each way. The tuner's start-up profile times
                 # the forward and the hop; the loop's work is the rest (observe_step). The
                 # forward's own span, with the others', says how much the models slowed each
-                # other while serving (aiorouter.tuning.served).
+                # other while serving (aiorouter.tuning.learned).
                 span = parts[0][2]
                 loop, hop = (t0 - since) + (time.perf_counter() - t_back), (t_back - t0) - span.seconds
                 self.metrics.record_overhead(loop, hop)
@@ -195,27 +198,25 @@ class Subserver:
         out = self._execute(batch, want_hidden)
         return out, StepSpan(t, time.perf_counter(), len(batch), sum(n for _, n in batch))
 
-    def _admitted(self, batch: list[ScheduledSeq], now: float) -> None:
-        for seq, _ in batch:
-            if seq.t_ready is not None:
-                self.metrics.record_admission(now - seq.t_ready)
-                seq.t_ready = None
-
     async def route(self, out: ForwardOutput) -> None:
-        """The policy decides per request; requests with a per-request policy are routed apart."""
+        """The policy decides per request; requests with a per-request policy are routed apart.
+        The tokens that stay are committed by the engine in one call, then published."""
         groups: dict[int, list[int]] = {}
         for row, seq in enumerate(out.seqs):
             if not seq.user_data.finished:
                 groups.setdefault(id(seq.user_data.policy), []).append(row)
+        stays: list[tuple[Sequence, int]] = []
         for rows in groups.values():
             policy = out.seqs[rows[0]].user_data.policy
             for req, d, view in await self._decide(policy, out, rows):
                 if req.finished:  # ended while an isolating re-route ran (a client gone)
                     continue
                 if d == STAY:
-                    self._stay(req, view.sampled)
+                    stays.append((req.local[self.index], view.sampled))
                 else:
                     self._hand_off(policy, req, d, view)
+        if stays:
+            self._keep(stays)
 
     async def _decide(self, policy: Policy, out: ForwardOutput, rows: list[int]) -> list[tuple[RouterRequest, int, ReqView]]:
         """`policy.route` for these rows -> (request, destination, view) each. When route raises for
@@ -223,13 +224,11 @@ class Subserver:
         fails alone and the others go on (route sees each of them once more)."""
         reqs: list[RouterRequest] = [out.seqs[r].user_data for r in rows]
         logits, hidden = self._rows(out, rows)
-        V = self.engine.vocab_size  # rows past V: reserved for the policy (a view, no copy)
+        V = self.vocab_size  # rows past V: reserved for the policy (a view, no copy)
         result = StepResult(self.index, logits[:, :V], torch.tensor([out.next_tokens[r] for r in rows]), hidden,
                             [self._view(q, out.next_tokens[r]) for q, r in zip(reqs, rows)],
                             logits[:, V:] if logits.shape[-1] > V else None)
         try:
-            if policy.fault_hook is not None:
-                policy.fault_hook("route", result.reqs)
             dests = await self.in_worker(policy.route, result) if policy.route_in_worker else policy.route(result)
             dests = [int(d) for d in (dests.tolist() if hasattr(dests, "tolist") else dests)]
             if len(dests) != len(rows):
@@ -257,14 +256,18 @@ class Subserver:
         idx = torch.tensor(rows)
         return out.logits.index_select(0, idx), out.hidden.index_select(0, idx) if out.hidden is not None else None
 
-    def _stay(self, req: RouterRequest, token: int) -> None:
-        seq = req.local[self.index]
-        seq.token_ids.append(token)
-        req.seen[self.index] = len(seq.token_ids)
-        seq.t_ready = time.perf_counter()
-        if self.observe is not None:
-            self.observe(self.index, self.index, 1)
-        self.requests.commit(req, [token], self.index)
+    def _keep(self, stays: list[tuple[Sequence, int]]) -> None:
+        """Commit the tokens of the requests that stay here (the engine appends them, feeds each
+        request's output stream and finishes the ones that stopped), then stream each."""
+        for (seq, token), c in zip(stays, self.engine.commit(stays)):
+            req = seq.user_data
+            if isinstance(c, Exception):
+                self.requests.failed_commit(req, token, self.index, c)
+                continue
+            req.seen[self.index] = len(seq.token_ids)
+            if self.observe is not None:
+                self.observe(self.index, self.index, 1)
+            self.requests.publish(req, token, c, self.index)
 
     def _hand_off(self, policy: Policy, req: RouterRequest, dest: int, view: ReqView) -> None:
         try:
@@ -273,10 +276,7 @@ class Subserver:
                 raise RouterError(f"policy {policy.name!r} routed to peer {dest} from model {self.name!r}, "
                                   f"which has {len(peers)} peers")
             target = peers[dest - 1]
-            view = view._replace(peer=target)
-            if policy.fault_hook is not None:
-                policy.fault_hook("send", [view])
-            pr = policy.send(view)
+            pr = policy.send(view._replace(peer=target))
             new = self._check_send(policy, req, pr, target)
         except Exception as e:
             self.requests.fail(req, e if isinstance(e, RouterError) else
@@ -312,22 +312,16 @@ class Subserver:
 
     # -- the loop (every mode: LaunchControl decides) --------------------------------------------
     async def run(self) -> None:
-        inbox = self.launch.inboxes[self.index]
         since = time.perf_counter()  # the loop's work towards the next step began (see step)
         while True:
             self.drain()
-            if self.launch.may_launch(self.index) or self.launch.kick_if_stalled(self.index):
-                if await self.step(since):
-                    since = time.perf_counter()
-                    continue
-            try:
-                msg = await asyncio.wait_for(inbox.get(), self.launch.wait_timeout(self.index))
-            except asyncio.TimeoutError:  # max-wait bound: launch what is here
-                await self.step()
+            go = self.launch.decide(self.index)
+            if go.now and await self.step(since):
                 since = time.perf_counter()
                 continue
+            if not await self.launch.wait(self.index, go.wait_s):  # the max-wait bound: launch what is here
+                await self.step()
             since = time.perf_counter()
-            self.handle(msg)
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from aiorouter import Router
+from aiorouter import Router, RouterConfig
 from aiorouter.cpu_threads import plan_threads
 from bench.common import OutsideLoad, write_json
 from engines import Engine, EngineConfig
@@ -164,8 +164,8 @@ def compare(answers, reference, questions) -> dict:
 
 async def ask(models: dict, policy: str, policy_args: dict, questions, max_tokens: int) -> list:
     """Every question at once through a Router; -> GenerateResult per question."""
-    async with Router({k: str(v) for k, v in models.items()}, policy=policy, policy_args=policy_args,
-                      entry=next(iter(models)), thresholds={k: 1 for k in models}) as r:
+    async with Router({k: str(v) for k, v in models.items()}, RouterConfig(policy=policy, policy_args=policy_args,
+                      entry=next(iter(models)), thresholds={k: 1 for k in models})) as r:
         return await asyncio.gather(*(r.generate([{"role": "user", "content": q}], max_tokens=max_tokens,
                                                  temperature=0.0) for q, _ in questions))
 

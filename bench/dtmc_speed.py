@@ -13,7 +13,7 @@ slopes 0.1 / 5.5 ms per request, cap 16), the paper pair (6.0 / 27.9 ms, cap
 16) and the 3-model ME case (cap 8).
 
 Each run starts with an empty cache.  Writes bench/results/dtmc_speed.json
-and bench/RESULTS-dtmc-speed.md.  Usage (2 cores shared: take the lock):
+and bench/results/dtmc_speed.md.  Usage (2 cores shared: take the lock):
 
     flock /tmp/aiorouter-cpu.lock python bench/dtmc_speed.py [--workers 1 2] [--skip-m3]
 """
@@ -35,10 +35,10 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import scipy  # noqa: E402
 
-import aiorouter.tuning._solver as _solver  # noqa: E402
+import aiorouter.tuning.solve as _solver  # noqa: E402
 import aiorouter.tuning.dtmc as _dtmc  # noqa: E402
 from aiorouter.tuning import (  # noqa: E402
-    Contention, LatencyModel, ModelSpec, SolveCache, choose_delta, threshold_table,
+    Contention, LatencyModel, SolveCache, SystemSpec, choose_delta, threshold_table,
 )
 
 CASES = {
@@ -112,7 +112,7 @@ class PhaseTimer:
 
 def run_case(name: str, workers: int) -> dict:
     case = CASES[name]
-    spec = ModelSpec.build(case["P"], case["C"], case["L"], DELTA)
+    spec = SystemSpec.build(case["P"], case["C"], case["L"], DELTA)
     load_before = os.getloadavg()
     with PhaseTimer() as phases:
         c0, t0 = cpu_seconds(), time.perf_counter()
@@ -150,9 +150,11 @@ def run_case(name: str, workers: int) -> dict:
 
 BASELINE_CODE = """
 import json, resource, sys, time
-from aiorouter.tuning import ModelSpec, SolveCache, threshold_table
+import aiorouter.tuning as tuning
+from aiorouter.tuning import SolveCache, threshold_table
 c = json.loads(sys.argv[1])
-spec = ModelSpec.build(c["P"], c["C"], c["L"], c["delta"])
+Spec = getattr(tuning, 'SystemSpec', None) or tuning.ModelSpec  # (older checkouts)
+spec = Spec.build(c["P"], c["C"], c["L"], c["delta"])
 r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
 threshold_table(spec, c["max_n"], cache=SolveCache(), workers=1)
 r1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -184,7 +186,7 @@ def run_startup(name: str) -> dict:
     con = case.get("contention")
     choice = choose_delta(case["P"], case["L"], case["cap"], contention=con)
     t_choose = time.perf_counter() - t0
-    spec = ModelSpec.build(case["P"], case["C"], case["L"], choice.delta, con)
+    spec = SystemSpec.build(case["P"], case["C"], case["L"], choice.delta, con)
     table = threshold_table(spec, case["cap"], cache=SolveCache(), workers=1)
     wall = time.perf_counter() - t0
     return dict(
@@ -392,7 +394,7 @@ def main() -> int:
                     "folder (e.g. from `git archive REV aiorouter | tar -x -C DIR`)")
     ap.add_argument("--baseline-label", default="previous solver")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "dtmc_speed.json"))
-    ap.add_argument("--markdown", default=str(ROOT / "bench" / "RESULTS-dtmc-speed.md"))
+    ap.add_argument("--markdown", default=str(ROOT / "bench" / "results" / "dtmc_speed.md"))
     ap.add_argument("--markdown-only", action="store_true",
                     help="rewrite the markdown from an existing --out JSON, run nothing")
     args = ap.parse_args()

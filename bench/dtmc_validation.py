@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 from tqdm import tqdm
 
-from aiorouter import Router
+from aiorouter import Router, RouterConfig
 from aiorouter.tuning import SystemSpec, solve_grid
 from bench.common import RESULTS, rotated, write_json
 
@@ -39,8 +39,8 @@ P, L0, L1 = 0.35, 6.0, 27.9
 
 async def measure(n: int, b1: int, seconds: float, max_tokens: int, seed: int) -> float:
     models = {"small": {"engine": "sim", "latency_ms": L0}, "large": {"engine": "sim", "latency_ms": L1}}
-    async with Router(models, policy="random", policy_args={"p": P, "seed": seed}, mode="delayed",
-                      thresholds={"small": 1, "large": b1}, max_concurrency=max(8, n)) as r:
+    async with Router(models, RouterConfig(policy="random", policy_args={"p": P, "seed": seed}, mode="delayed",
+                      thresholds={"small": 1, "large": b1}, max_concurrency=max(8, n))) as r:
         stop = time.perf_counter() + seconds
         start_tokens, t_start = None, None
 
@@ -70,8 +70,8 @@ async def router_profile(n_max: int, learn_seconds: float, max_tokens: int) -> t
     profile). The profile times each step from the event loop through the model's worker, so the
     hop to the worker and back is in L(b) (engines.profile.profile_dispatched_latency)."""
     models = {"small": {"engine": "sim", "latency_ms": L0}, "large": {"engine": "sim", "latency_ms": L1}}
-    async with Router(models, policy="random", policy_args={"p": P}, tune_concurrency=n_max,
-                      max_concurrency=n_max) as r:
+    async with Router(models, RouterConfig(policy="random", policy_args={"p": P}, tune_concurrency=n_max,
+                      max_concurrency=n_max)) as r:
         await r.wait_tuned()
         stop = time.perf_counter() + learn_seconds
 
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     lines += [f"| {s['N']} | {s['best_B1_predicted']} | {s['best_B1_measured']} | {s['measured_gap_of_predicted_best']:.1%} "
               f"| {s['max_abs_error']:.1%} |" for s in summary]
     print("\n".join(lines))
-    (RESULTS.parent / "RESULTS-dtmc-validation.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "dtmc_validation.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {path}")
     return 0
 

@@ -25,7 +25,7 @@ core), which is why `--threads 2,1` gives a second table at one thread.
 A memory-bandwidth floor (weight bytes per decode step / measured copy bandwidth) puts batch-1
 step times in perspective.
 
-Writes bench/results/engine_vs_hf.json (every figure, machine facts) and bench/RESULTS-engine.md.
+Writes bench/results/engine_vs_hf.json (every figure, machine facts) and its tables beside it (--md).
 """
 from __future__ import annotations
 
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default="smollm2-135m",
                     help="HF model dir(s) or known model name(s), comma-separated: a table each")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine_vs_hf.json"))
-    ap.add_argument("--md", default=str(ROOT / "bench" / "RESULTS-engine.md"))
+    ap.add_argument("--md", default=None, help="tables file (default: the --out JSON's name, .md)")
     args = ap.parse_args(argv)
     if args.quick:
         args.batches, args.new_tokens, args.repeats = "1,8", 32, 1
@@ -403,9 +403,10 @@ def main(argv: list[str] | None = None) -> dict:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     md = markdown(res)
-    Path(args.md).write_text(md)
+    md_path = Path(args.md) if args.md else Path(args.out).with_suffix(".md")
+    md_path.write_text(md)
     print(md)
-    print(f"wrote {args.out} and {args.md}")
+    print(f"wrote {args.out} and {md_path}")
     return res
 
 

@@ -79,12 +79,12 @@ def solve_sim_thresholds(slope_ms: tuple[float, float], cap: int = 16) -> tuple[
     """Delayed-batching thresholds for the sim pair, solved once from its exact step times with the
     tuner `thresholds="auto"` runs on profiled ones (the solve is seconds per router otherwise),
     and the throughput model's prediction for every N (the bound a runtime can approach)."""
-    from aiorouter.tuning import LatencyModel, ModelSpec, choose_delta, threshold_table
+    from aiorouter.tuning import LatencyModel, SystemSpec, choose_delta, threshold_table
     from policies import make_policy
     P, C = make_policy(POLICY, POLICY_ARGS).routing_template()
     lats = [LatencyModel((ms - c) / 1e3, c / 1e3) for ms, c in zip(SIM_MS.values(), slope_ms)]
     delta = choose_delta(P, lats, cap).delta
-    table = threshold_table(ModelSpec.build(P, C, lats, delta), cap)
+    table = threshold_table(SystemSpec.build(P, C, lats, delta), cap)
     thresholds = {n: dict(zip(SIM_MS, table.best(n))) for n in table.concurrencies}
     dtmc = {"delta_ms": delta * 1e3, "solve_s": table.seconds,
             "by_N": {n: {"B": table.best(n), "tokens_per_s": table[n].best_throughput,
@@ -152,7 +152,7 @@ def requests_per_client(wl: W.Workload, wls: list[W.Workload], least: int) -> in
 
 # -- one run per system -----------------------------------------------------------------------------------
 async def _router_run(pair: Pair, system: str, wl: W.Workload, n: int, total: int) -> dict:
-    from aiorouter import Router
+    from aiorouter import Router, RouterConfig
     if system == "large-alone":
         models, kw = {"large": pair.models["large"]}, dict(policy="single", mode="eager")
     else:
@@ -160,7 +160,7 @@ async def _router_run(pair: Pair, system: str, wl: W.Workload, n: int, total: in
         models = pair.models
         kw = dict(policy=POLICY, policy_args=POLICY_ARGS, entry="small", mode=mode,
                   thresholds=pair.thresholds if mode == "delayed" else {"small": 1, "large": 1})
-    async with Router(models, kv_memory_gb=pair.kv_memory_gb, max_concurrency=max(n, 1), **kw) as r:
+    async with Router(models, RouterConfig(kv_memory_gb=pair.kv_memory_gb, max_concurrency=max(n, 1), **kw)) as r:
         async def send(p, max_tokens=wl.max_tokens):
             async for ev in r.stream(p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
                 yield ev.model

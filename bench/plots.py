@@ -5,14 +5,13 @@
 * ``<name>-tradeoff.png``: throughput vs per-user speed as N grows (the paper's Figure 1b), one
   panel per (pair, workload);
 * ``<name>-ablation.png``: sync / eager / delayed throughput at each N (one panel per pair, on
-  low-effort or the first workload measured).
+  low-effort or the first workload measured);
 
-    python -m bench.plots bench/results/full.json
+(`python -m bench.report` redraws them from a saved run), and `modes_races` and `soak`, which plot
+bench.modes' and bench.soak's runs.
 """
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 STYLE = {"aiorouter": ("tab:red", "o", "-"), "eager": ("tab:orange", "s", "--"), "sync": ("tab:brown", "v", "--"),
@@ -175,6 +174,32 @@ def soak(data: dict, path: Path) -> Path:
     return _save(plt, fig, path)
 
 
+def modes_races(runs: list[dict], path: Path) -> Path:
+    """bench.modes' headline: delayed against the better of sync and eager at each N, read by the
+    race (ABBA pairs of fresh windows) with its standard error, one line per pair."""
+    import math
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for data, color in zip(runs, ("tab:red", "tab:blue", "tab:green")):
+        ns = sorted(data["summary"], key=int)
+        races = [data["summary"][n]["race_delayed"] for n in ns]
+        ys = [r["ratio"] for r in races]
+        # the race's standard error is of the log ratio: its band is asymmetric around the ratio
+        lo = [y - y * math.exp(-r["log_se"]) for y, r in zip(ys, races)]
+        hi = [y * math.exp(r["log_se"]) - y for y, r in zip(ys, races)]
+        ax.errorbar([int(n) for n in ns], ys, yerr=[lo, hi], color=color, marker="o", capsize=3,
+                    label=f"{data['pair']} ({races[0]['pairs']} pairs a race)")
+    ax.axhline(1.0, color="k", linewidth=0.6)
+    ax.axhline(0.97, color="k", linewidth=0.6, linestyle=":", label="target 0.97")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([1, 4, 8, 16], ["1", "4", "8", "16"])
+    ax.set_xlabel("concurrency N (closed-loop clients)")
+    ax.set_ylabel("delayed / best of sync, eager")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
 def make_all(data: dict, out_dir: Path, name: str) -> list[Path]:
     out_dir = Path(out_dir)
     if not any(cell for wls in data["results"].values() for cell in wls.values()):
@@ -184,8 +209,3 @@ def make_all(data: dict, out_dir: Path, name: str) -> list[Path]:
         out.append(ablation(data, out_dir / f"{name}-ablation.png"))
     return out
 
-
-if __name__ == "__main__":
-    src = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "results" / "full.json")
-    for p in make_all(json.loads(src.read_text()), src.parent, src.stem):
-        print(p)

@@ -125,10 +125,11 @@ def run_process(models: dict, args) -> dict:
 
 
 def run_ray(serve, url: str, models: dict, replicas: int, args, threads: dict | None = None) -> dict:
+    from aiorouter import RouterConfig
     from server.app import ServerConfig
     from server.ray_serve import APP, build_app
     cores = os.cpu_count() or 1
-    app = build_app({"models": models, **ROUTER, "threads": threads},
+    app = build_app(models, RouterConfig(**ROUTER, threads=threads),
                     ServerConfig(max_concurrency=ROUTER["max_concurrency"]), replicas=replicas, num_cpus=cores / replicas)
     serve.run(app, name=APP, route_prefix="/")
     try:

@@ -1,6 +1,8 @@
 """Markdown tables from a bench/run.py JSON.
 
-    python -m bench.report bench/results/full.json [bench/RESULTS-full.md]
+    python -m bench.report bench/results/full.json [TABLES.md]    # default: beside the JSON (full.md)
+
+(bench.run writes them after a sweep; this redraws the tables and plots of a saved run.)
 """
 from __future__ import annotations
 
@@ -158,9 +160,10 @@ def write(data: dict, md: Path, pngs: list | None = None) -> Path:
 
 if __name__ == "__main__":
     src = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "results" / "full.json")
-    dst = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(__file__).parent / f"RESULTS-{src.stem}.md"
+    dst = Path(sys.argv[2]) if len(sys.argv) > 2 else src.with_suffix(".md")
     d = json.loads(src.read_text())
     d.setdefault("json_path", str(src))
-    pngs = sorted(src.parent.glob(f"{src.stem}-*.png"))
+    from bench.plots import make_all
+    pngs = make_all(d, src.parent, src.stem)
     write(d, dst, [p.relative_to(dst.parent) if p.is_relative_to(dst.parent) else p for p in pngs])
     print(dst)

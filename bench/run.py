@@ -12,8 +12,8 @@ Systems (all in one process, interleaved per (workload, N) so drift hits them al
   hf-naive     two transformers models, static lock-step batches (bench/baselines.py)
   large-alone, small-alone   one model through the runtime (policy "single")
 
-Writes <out>/<name>.json (raw figures), <out>/<name>-*.png (plots) and the tables (bench/report.py):
-bench/RESULTS-full.md for the full sweep, <out>/RESULTS-quick.md for --quick.
+Writes <out>/<name>.json (raw figures), <out>/<name>-*.png (plots) and the tables beside them
+(bench/report.py): <out>/<name>.md (bench/RESULTS.md quotes the figures it claims).
 """
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def router_threads(num_models: int) -> int:
 
 # -- one measured run per system ------------------------------------------------------------------
 async def _router_run(pair: Pair, system: str, wl: W.Workload, n: int, total: int, opts: Opts) -> dict:
-    from aiorouter import Router
+    from aiorouter import Router, RouterConfig
     if system in ROUTER_MODES:
         models = {"small": str(pair.small), "large": str(pair.large)}
         mode = ROUTER_MODES[system]
@@ -124,7 +124,7 @@ async def _router_run(pair: Pair, system: str, wl: W.Workload, n: int, total: in
         which = system.removesuffix("-alone")
         models = {which: str(pair.large if which == "large" else pair.small)}
         kw = dict(policy="single", mode="eager")
-    async with Router(models, kv_memory_gb=opts.kv_memory_gb, max_concurrency=max(n, 1), **kw) as r:
+    async with Router(models, RouterConfig(kv_memory_gb=opts.kv_memory_gb, max_concurrency=max(n, 1), **kw)) as r:
         async def send(p, max_tokens=wl.max_tokens):
             async for ev in r.stream(p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
                 yield ev.model
@@ -411,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hf-threads", default="auto", help="HF naive intra-op threads: a number or auto (the faster of 1 and cores)")
     ap.add_argument("--out", default=None, help="output folder (default bench/results)")
     ap.add_argument("--name", default=None, help="JSON/plot name (default full, or quick)")
-    ap.add_argument("--md", default=None, help="tables file (default bench/RESULTS-full.md; quick: <out>/RESULTS-quick.md)")
+    ap.add_argument("--md", default=None, help="tables file (default <out>/<name>.md)")
     ap.add_argument("--merge", action="store_true", help="merge into an existing <out>/<name>.json instead of replacing it")
     ap.add_argument("--no-estimate", action="store_true", help="skip the calibration and duration estimate")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="MINUTES",
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     min_req = args.min_requests or (1 if quick else 2)
     out_dir = Path(args.out) if args.out else ROOT / "bench" / "results"
     name = args.name or ("quick" if quick else "full")
-    md = Path(args.md) if args.md else (out_dir / "RESULTS-quick.md" if quick else ROOT / "bench" / "RESULTS-full.md")
+    md = Path(args.md) if args.md else out_dir / f"{name}.md"
     out_dir.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
     print(f"aiorouter bench: pairs {pair_names}, workloads {wl_names}, N {ns}, systems {systems}; "

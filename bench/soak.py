@@ -421,7 +421,16 @@ def main(argv: list[str] | None = None) -> int:
                          "to tell allocator retention from a leak")
     ap.add_argument("--md", default=None, help="the file for the figures' block (default bench/RESULTS.md; "
                     "--quick: DIR/RESULTS-soak-quick.md)")
+    ap.add_argument("--render", type=Path, default=None, metavar="SOAK_JSON",
+                    help="run nothing: write a saved run's block into --md (default bench/RESULTS.md)")
     args = ap.parse_args(argv)
+    if args.render is not None:
+        from bench.soak_report import write as write_md
+        md = Path(args.md) if args.md else ROOT / "bench" / "RESULTS.md"
+        png = args.render.with_name("soak.png")
+        write_md(json.loads(args.render.read_text()), md, args.render, png if png.is_file() else None)
+        print(f"wrote the soak block of {md}")
+        return 0
     if args.quick:
         # a burst in each minute (at 30 s and 90 s): the first and last minutes' RSS compare like with like
         # 60 s of warm-up: after 20 s, RSS still rose ~+19% in the first minute and +5% in the second

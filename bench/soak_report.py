@@ -1,14 +1,11 @@
 """bench/soak.py's figures as a RESULTS.md block (between markers, replaced on each run).
 
-    python -m bench.soak_report DIR/soak.json [--md bench/RESULTS.md]
-
-A full run (not --quick) writes its block into bench/RESULTS.md itself; this re-renders one from a
-saved soak.json (a run on another machine, or after editing the prose around the block).
+A full run (not --quick) writes its block into bench/RESULTS.md itself; `python -m bench.soak
+--render DIR/soak.json` re-renders one from a saved run (another machine's, or after editing the
+prose around the block).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import re
 from pathlib import Path
 
@@ -16,16 +13,17 @@ BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _rel(p: Path) -> str:
-    p = p.resolve()
-    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
+def _rel(p: Path, base: Path = ROOT) -> str:
+    p, base = p.resolve(), base.resolve()
+    return str(p.relative_to(base)) if p.is_relative_to(base) else str(p)
 
 
-def _s(x) -> str:
-    return "-" if x is None else f"{x:.2f}"
+def _range(d: dict, key: str) -> str:
+    xs = [w[key] for w in d["latency_windows"] if w[key] is not None]
+    return f"{min(xs):.1f}-{max(xs):.1f}" if xs else "-"
 
 
-def block(d: dict, json_path: Path, png_path: Path | None) -> str:
+def block(d: dict, json_path: Path, png_path: Path | None, md_dir: Path = ROOT / "bench") -> str:
     m, kv = d["machine"], d["kv"]
     load = "/".join(f"{x:.2f}" for x in m.get("load_avg", []))
     rss_min = d["rss_minute_medians_mb"]
@@ -53,37 +51,22 @@ def block(d: dict, json_path: Path, png_path: Path | None) -> str:
            f"({d['health']['max_latency_s']} s) |",
            f"| router subserver tasks at the end | {d['router_tasks']} |",
            f"| event-loop tasks, idle before / after | {d['event_loop_tasks']['start']} / {d['event_loop_tasks']['end']} |",
-           "", "Latency of normal requests (send to last byte), one-minute windows:", "",
-           "| minute | requests | p50 (s) | p99 (s) |", "|---|---|---|---|"]
-    out += [f"| {int(w['start_s'] // 60) + 1} | {w['n']} | {_s(w['p50_s'])} | {_s(w['p99_s'])} |"
-            for w in d["latency_windows"]]
+           f"| latency of normal requests, p50 / p99 over one-minute windows (s) | {_range(d, 'p50_s')} / "
+           f"{_range(d, 'p99_s')} |"]
     out += ["", "Checks:", ""] + [f"- {'ok' if v else '**FAILED**'}: {k}" for k, v in d["checks"].items()]
     if png_path is not None:
-        out += ["", f"![latency, RSS and KV pages over time]({_rel(png_path)})"]
+        # a link is read from the page's own folder, not from the repository root
+        out += ["", f"![latency, RSS and KV pages over time]({_rel(png_path, md_dir)})"]
     return "\n".join(out + [END])
 
 
 def write(d: dict, md: Path, json_path: Path, png_path: Path | None) -> None:
     """Replace the generated block of `md`, or append a section holding one."""
     text = md.read_text() if md.is_file() else "# aiorouter soak\n"
-    b = block(d, json_path, png_path)
+    b = block(d, json_path, png_path, md.parent)
     if BEGIN in text and END in text:
         text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: b, text, flags=re.S)
     else:
         text = text.rstrip("\n") + "\n\n## Soak: mixed load with failures on purpose (`bench/soak.py`)\n\n" + b + "\n"
     md.write_text(text)
 
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("json", type=Path)
-    ap.add_argument("--md", type=Path, default=ROOT / "bench" / "RESULTS.md")
-    a = ap.parse_args(argv)
-    png = a.json.with_name("soak.png")
-    write(json.loads(a.json.read_text()), a.md, a.json, png if png.is_file() else None)
-    print(f"wrote the soak block of {a.md}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
-from aiorouter import Router
+from aiorouter import Router, RouterConfig
 from bench import workloads as W
 from bench.common import write_json
 from bench.run import PAIRS, load_pair
@@ -29,8 +29,8 @@ async def start_once(pair, cap: int) -> dict:
     models = {"small": str(pair.small), "large": str(pair.large)}
     prompt = W.short_prompts(seed=5, count=1, vocab=min(pair.vocab, W.VOCAB))[0]
     t0 = time.perf_counter()
-    r = Router(models, policy=pair.policy, policy_args=pair.policy_args, entry="small", tune_concurrency=cap,
-               max_concurrency=cap, kv_memory_gb=1.0)
+    r = Router(models, RouterConfig(policy=pair.policy, policy_args=pair.policy_args, entry="small",
+                                    tune_concurrency=cap, max_concurrency=cap, kv_memory_gb=1.0))
     try:
         await r.start()
         started = time.perf_counter() - t0

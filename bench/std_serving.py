@@ -136,9 +136,10 @@ class EngineServer:
                     self.times.served_s += now - call.t_arrival
                     call.fut.set_result(TokenReply(tok, lg, hd))
 
-    def _step(self, pending: list[_Call]) -> list[tuple[_Call, int, torch.Tensor | None, torch.Tensor | None]]:
+    def _step(self, pending: list[_Call], layer_hook=None) -> list[tuple[_Call, int, torch.Tensor | None, torch.Tensor | None]]:
         """In the worker thread (the event loop never touches the engine): admit the new calls, run
-        one continuous-batching step, release every sequence that got its token."""
+        one continuous-batching step, release every sequence that got its token. `layer_hook`: the
+        heavy model's, from CoreShare.step_fn (as the router's subservers step)."""
         eng, t = self.engine, self.times
         t0 = time.perf_counter()
         for call in pending:
@@ -150,7 +151,7 @@ class EngineServer:
         t.admit_s += t1 - t0
         if not batch:
             return []
-        out = eng.execute(batch, any(self._running[s.seq_id].hidden for s, _ in batch))
+        out = eng.execute(batch, any(self._running[s.seq_id].hidden for s, _ in batch), layer_hook=layer_hook)
         t2 = time.perf_counter()
         eng.finish(batch, out)
         done = []

@@ -1,5 +1,5 @@
 import asyncio
-from aiorouter import Router, default_models
+from aiorouter import Router, RouterConfig, default_models
 from policies import STAY, PeerReq, Policy
 
 class LowConfidence(Policy):
@@ -20,7 +20,7 @@ class LowConfidence(Policy):
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 async def main(models=None, prompt=QUESTION, policy=None):
-    async with Router(models or default_models(), policy=policy or LowConfidence()) as router:
+    async with Router(models or default_models(), RouterConfig(policy=policy or LowConfidence())) as router:
         result = await router.generate(prompt, max_tokens=32)
         print(result.usage["per_model"], result.text)   # who wrote how many tokens, and the answer
         return result

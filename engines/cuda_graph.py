@@ -4,7 +4,7 @@ Anything outside the captured range runs eagerly.
 
 The decisions (which bucket, padding a step to it, staging its metadata into the captured
 buffers) are plain functions tested on CPU (tests/test_gpu_graphs.py). `StepGraphs` captures and
-replays on CUDA; it has not run on a GPU yet (bench/gpu_check.py checks parity there).
+replays on CUDA; it has not run on a GPU yet (bench/gpu/check.py checks parity there).
 """
 from __future__ import annotations
 

@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence as Seq
+from typing import Iterable, NamedTuple, Sequence as Seq
 
 import torch
 
 from engines.block_manager import BlockManager
 from engines.config import EngineConfig, ModelConfig
 from engines.devices import parse_devices
-from engines.output import OutputStream
-from engines.runner import ForwardOutput, ModelRunner, ScheduledSeq, StepFaultHook
+from engines.output import Commit, OutputStream
+from engines.runner import ForwardOutput, LayerHook, ModelRunner, ScheduledSeq
 from engines.sampling import SamplingParams
 from engines.scheduler import Scheduler
 from engines.sequence import Sequence
@@ -96,7 +97,6 @@ class Engine:
         self.block_manager = BlockManager(ecfg.num_pages, ecfg.page_size, ecfg.enable_prefix_caching)
         self.scheduler = Scheduler(ecfg, self.block_manager)
         self.stats = EngineStats()
-        self._outputs: dict[int, OutputStream] = {}  # requests of add_request, by seq_id
         self._reserved_rows = 0  # output rows past the token vocabulary (reserve_output_rows)
 
     @property
@@ -111,33 +111,23 @@ class Engine:
     def reserve_output_rows(self, n: int) -> None:
         """The last `n` rows of the output head are not tokens (Co-LLM's deferral row is the one
         past the vocabulary): they are never sampled, a prompt may not use them, and the step's
-        logits still carry them for whoever reads them. 0 undoes it."""
+        logits still carry them for whoever reads them. 0 undoes it. For this engine's own
+        requests (`generate`); a router passes its reservation per step instead (`execute`), so
+        an engine it was handed is left as it was."""
+        self._reserved_rows = self.check_reserved_rows(n)
+
+    def check_reserved_rows(self, n: int) -> int:
+        """-> n, when `n` rows of the output head may be reserved (ValueError otherwise)."""
         rows = self.model_config.vocab_size
         if not 0 <= n < rows:
             raise ValueError(f"cannot reserve {n} of the model's {rows} output rows")
-        self.runner.sample_vocab = rows - n if n else None
-        self._reserved_rows = n
+        return n
 
     @property
     def num_params(self) -> int:
         """Weights the model reads per step (0 for a weightless sim): how heavy its steps are."""
         model = getattr(self.runner, "model", None)
         return sum(p.numel() for p in model.parameters()) if model is not None else 0
-
-    @classmethod
-    def from_model(cls, model, model_config: ModelConfig, device: str | torch.device = "cpu",
-                   dtype: str | torch.dtype = "float32", config: EngineConfig | None = None, tokenizer=None,
-                   streams: StreamFactory | None = None) -> "Engine":
-        """An engine around a model already in memory (`engines.model.CausalLM` on `device`, e.g. random
-        weights for a benchmark); several engines may share one model, its weights are read-only."""
-        device, dtype = torch.device(device), parse_dtype(dtype)
-        eng = cls.__new__(cls)
-        eng.path = None
-        ecfg = cls._fit_config(config or EngineConfig(), model_config)
-        runner = ModelRunner(model, model_config, ecfg, dtype, device, max_model_len=ecfg.max_model_len,
-                             streams=streams)
-        eng._setup(model_config, ecfg, runner, tokenizer, [device], dtype)
-        return eng
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
@@ -163,10 +153,11 @@ class Engine:
             return self.tokenizer.encode(prompt) or []  # with the tokenizer's BOS, as Router.prompt_ids
         return list(prompt)
 
-    def validate_prompt(self, ids: list[int]) -> None:
+    def validate_prompt(self, ids: list[int], reserved_rows: int | None = None) -> None:
+        """`reserved_rows`: output rows past the tokens (None: this engine's own, reserve_output_rows)."""
         if not ids:
             raise ValueError("prompt is empty")
-        V = self.vocab_size
+        V = self.model_config.vocab_size - (self.reserved_rows if reserved_rows is None else reserved_rows)
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V]
         if bad:
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {V})")
@@ -175,17 +166,20 @@ class Engine:
                              "(prompt plus at least one generated token must fit)")
 
     def add(self, token_ids: list[int], sampling: SamplingParams, num_prompt_tokens: int | None = None,
-            user_data: object = None) -> Sequence:
-        """A new sequence for this engine (prefix matching and admission happen when it is scheduled).
-        The router adds a request's tokens as this model has seen them, with its own handle in user_data."""
-        seq = Sequence(token_ids, sampling, num_prompt_tokens=num_prompt_tokens or len(token_ids), user_data=user_data)
+            user_data: object = None, output: OutputStream | None = None) -> Sequence:
+        """A new sequence for this engine, ready now (prefix matching and admission happen when it
+        is scheduled). The router adds a request's tokens as this model has seen them, with its own
+        handle in user_data and the request's output stream, which `commit` feeds."""
+        seq = Sequence(token_ids, sampling, num_prompt_tokens=num_prompt_tokens or len(token_ids), user_data=user_data,
+                       output=output, t_ready=time.perf_counter())
         self.scheduler.add(seq)
         return seq
 
     def resume(self, seq: Sequence, new_tokens: list[int]) -> None:
         """Handoff-resume: a parked sequence gets the tokens it has not seen and extends over them
-        with the KV pages it kept (no prefix matching, no new admission)."""
+        with the KV pages it kept (no prefix matching, no new admission); it is ready now."""
         self.scheduler.resume(seq, new_tokens)
+        seq.t_ready = time.perf_counter()
 
     def park(self, seq: Sequence) -> None:
         """Keep a sequence (and its KV) out of batches while something outside the engine serves it."""
@@ -194,7 +188,6 @@ class Engine:
     def release(self, seq: Sequence, reason: str) -> None:
         """The sequence is over here: its pages go back to the pool, full ones into the prefix cache."""
         self.scheduler.finish(seq, reason)
-        self._outputs.pop(seq.seq_id, None)
 
     @property
     def num_ready(self) -> int:
@@ -218,38 +211,36 @@ class Engine:
         ecfg = self.config
         self.block_manager = BlockManager(ecfg.num_pages, ecfg.page_size, ecfg.enable_prefix_caching)
         self.scheduler = Scheduler(ecfg, self.block_manager)
-        self._outputs.clear()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached page that no live sequence holds (a server's cache flush between
         benchmark runs, like SGLang's /flush_cache); returns the pages freed."""
         return self.block_manager.reset_prefix_cache()
 
-    @property
-    def layer_hook(self) -> Callable[[], None] | None:
-        return getattr(self.runner, "layer_hook", None)
-
-    def set_layer_hook(self, hook: Callable[[], None] | None) -> None:
-        """Called before each layer of a CPU step, in the stepping thread (aiorouter's CoreShare
-        resizes that thread's OpenMP team there)."""
-        self.runner.layer_hook = hook
-
-    def set_fault_hook(self, hook: StepFaultHook | None) -> None:
-        """Test-only (aiorouter/faults.py): `hook(seqs, logits)` runs in the stepping thread with a
-        step's sampled sequences and their logits [B, V] before sampling. It may raise (a failing
-        step) or write NaN/inf into rows (a sequence whose numbers broke): what tests and the soak
-        inject on purpose. None (the default) costs nothing."""
-        self.runner.fault_hook = hook
-
     # -- one step: schedule -> execute -> finish -----------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
         """Pick this step's sequences and reserve their KV (on the owner's thread: the event loop)."""
         return self.scheduler.schedule()
 
-    def execute(self, batch: list[ScheduledSeq], want_hidden: bool = False) -> ForwardOutput:
+    @staticmethod
+    def waits(batch: list[ScheduledSeq], now: float) -> list[float]:
+        """Seconds each sequence of a scheduled batch waited since it became ready (added, resumed or
+        given a token), for those that waited: each wait is counted once (the admission delay)."""
+        out = []
+        for seq, _ in batch:
+            if seq.t_ready is not None:
+                out.append(now - seq.t_ready)
+                seq.t_ready = None
+        return out
+
+    def execute(self, batch: list[ScheduledSeq], want_hidden: bool = False, reserved_rows: int | None = None,
+                layer_hook: LayerHook | None = None) -> ForwardOutput:
         """Run the forward and sample. Touches only the runner, so the router calls it in the model's
-        worker thread while the loop goes on."""
-        return self.runner.run(batch, want_hidden)
+        worker thread while the loop goes on. `reserved_rows`: output rows never sampled (None:
+        this engine's own); `layer_hook`: runs before each layer of a CPU step (cpu_threads.CoreShare).
+        Both come per call: a router's choices stay the router's, the engine is not changed."""
+        n = self.reserved_rows if reserved_rows is None else reserved_rows
+        return self.runner.run(batch, want_hidden, self.model_config.vocab_size - n if n else None, layer_hook)
 
     def finish(self, batch: list[ScheduledSeq], out: ForwardOutput) -> ForwardOutput:
         """The batch's K/V are written: advance the sequences and count the step. Tokens are not
@@ -277,35 +268,59 @@ class Engine:
         out = self.forward()
         if out is None:
             return []
-        done = []
-        for row, (s, t) in enumerate(zip(out.seqs, out.next_tokens)):
-            if row in out.bad_rows:
-                self._outputs[s.seq_id].finish("error")
-                self.scheduler.finish(s, "error")
-                done.append(s)
-            elif self.append_token(s, t):
-                done.append(s)
-        return done
+        bad = set(out.bad_rows)
+        for row in bad:
+            s = out.seqs[row]
+            s.output.finish("error")
+            self.scheduler.finish(s, "error")
+        good = [(s, t) for row, (s, t) in enumerate(zip(out.seqs, out.next_tokens)) if row not in bad]
+        for c in self.commit(good):
+            if isinstance(c, Exception):
+                raise c
+        return [s for s in out.seqs if s.is_finished]
+
+    def commit(self, tokens: Iterable[tuple[Sequence, int]]) -> list[Commit | Exception]:
+        """Commit a step's tokens, one per sequence: append it to the sequence, feed the sequence's
+        output stream (stop checks, text), mark it ready again, and finish the sequence here when
+        its output is over. The one place tokens are committed: `step` and a router's subservers
+        both come here. -> per token its `Commit`, or the exception its stream raised (a detokenizer
+        that failed): the owner fails that request alone, and the other tokens commit."""
+        now = time.perf_counter()
+        got: list[Commit | Exception] = []
+        for seq, token in tokens:
+            out = seq.output
+            try:
+                if out.token_ids is not seq.token_ids:  # a router's request stream keeps a list of its own
+                    seq.token_ids.append(token)
+                c = out.append(token)
+            except Exception as e:
+                got.append(e)
+                continue
+            seq.t_ready = now
+            if c.finish_reason is not None:
+                self.scheduler.finish(seq, c.finish_reason)
+            got.append(c)
+        return got
 
     # -- the engine alone: requests with text (vLLM's LLM in spirit) ----------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
         ids = self.tokenize(prompt)
         self.validate_prompt(ids)
-        seq = self.add(ids, params or SamplingParams())
-        self._outputs[seq.seq_id] = OutputStream(seq.token_ids, seq.num_prompt_tokens, seq.sampling,
-                                                 self.model_config.eos_token_ids, self.max_model_len, self.tokenizer)
-        return seq
+        params = params or SamplingParams()
+        # the stream appends to the sequence's own token list (tokenize made it): one list, committed once
+        out = OutputStream(ids, len(ids), params, self.model_config.eos_token_ids, self.max_model_len, self.tokenizer)
+        return self.add(ids, params, output=out)
 
     def append_token(self, seq: Sequence, token: int) -> str | None:
-        """Commit one token of a request added with `add_request`; returns the finish reason if it is now done."""
-        reason = self._outputs[seq.seq_id].append(token).finish_reason
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-        return reason
+        """Commit one token (`commit` for one sequence); returns the finish reason if it is now done."""
+        c = self.commit([(seq, token)])[0]
+        if isinstance(c, Exception):
+            raise c
+        return c.finish_reason
 
     def output_of(self, seq: Sequence) -> OutputStream:
         """The output (tokens, streamed text, finish reason) of a request added with `add_request`."""
-        return self._outputs[seq.seq_id]
+        return seq.output
 
     def abort(self, seq: Sequence) -> None:
         self.release(seq, "abort")
@@ -346,8 +361,5 @@ class Engine:
         finally:
             if pbar is not None:
                 pbar.close()
-        outs = [GenerateOutput(s.token_ids[:s.num_prompt_tokens], s.output_ids, self.output_of(s).text,
+        return [GenerateOutput(s.token_ids[:s.num_prompt_tokens], s.output_ids, s.output.text,
                                s.finish_reason or "", s.num_cached_tokens) for s in seqs]
-        for s in seqs:
-            self._outputs.pop(s.seq_id, None)
-        return outs

@@ -130,13 +130,9 @@ class RMSNorm(nn.Module):
         return self.forward(residual), residual
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """sin [..., D] -> [-sin[..., :D/2], sin[..., D/2:]], so rotate_half(x) * sin == x.roll(D/2) * signed_sin."""
+    """sin [..., D] -> [-sin[..., :D/2], sin[..., D/2:]], so HF's rotate_half(x) * sin == x.roll(D/2) * signed_sin
+    (rotate_half(x) = cat(-x2, x1) for x = cat(x1, x2))."""
     s1, s2 = sin.chunk(2, dim=-1)
     return torch.cat((-s1, s2), dim=-1)
 

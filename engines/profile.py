@@ -76,13 +76,6 @@ class DecodeBatch:
             self.engine.block_manager.free(s)
 
 
-def profile_decode_latency(engine: Engine, batch_sizes: list[int], steps: int = 3, prompt_len: int = 32,
-                           warmup: int = 1) -> dict[int, float]:
-    """Median seconds of one decode step at each batch size."""
-    got = profile_step_latency(engine, [(b, 1) for b in batch_sizes], steps, prompt_len, warmup)
-    return {b: got[(b, 1)] for b in batch_sizes}
-
-
 async def profile_dispatched_latency(engine: Engine, executor: Executor, batch_sizes: list[int], steps: int = 3,
                                      prompt_len: int = 32, warmup: int = 1, min_seconds: float = 0.15,
                                      max_steps: int = 40) -> dict[int, float]:
@@ -90,7 +83,7 @@ async def profile_dispatched_latency(engine: Engine, executor: Executor, batch_s
     the event loop from handing the step to the model's worker (`executor`) to the loop resuming
     with its result, so the thread hop each way (and any wait for the GIL) counts as step time.
 
-    That hop is a per-step cost the chain would not see in `profile_decode_latency`: on the
+    That hop is a per-step cost the chain would not see in the worker's own timing (`profile_step_latency`): on the
     2-core bench machine under load 5.8, a 6 ms sim step took 6.15 ms inside its worker and
     6.6-6.9 ms seen from the loop. Each size takes at least `steps` steps and goes on (up to
     `max_steps`) until `min_seconds` have passed: a fast model's median then rests on tens of

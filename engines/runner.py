@@ -4,7 +4,7 @@ On CUDA a runner launches everything on its own stream(s) (one per device of its
 models' steps overlap, and waits for the step's event in the calling thread (the subserver's
 worker), never on the event loop. Small steps replay CUDA graphs (engines/cuda_graph.py) when the
 backend is graph-safe; sampling stays on the GPU until the tokens are copied out once.
-The CUDA paths have not run on a GPU yet (bench/gpu_check.py is their check); CPU runs as before.
+The CUDA paths have not run on a GPU yet (bench/gpu/check.py is their check); CPU runs as before.
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from engines.sequence import Sequence
 from engines.streams import StreamFactory
 
 
-# Test-only (Engine.set_fault_hook): called with a step's sampled sequences and their logits [B, V]
-# before sampling; it may raise (a failing step) or write NaN/inf into rows (a broken sequence).
-StepFaultHook = Callable[[list[Sequence], torch.Tensor], None]
+# Called before each layer of a CPU step, in the stepping thread: an owner that shares the cores
+# between models (aiorouter.cpu_threads.CoreShare) resizes that thread's OpenMP team there.
+LayerHook = Callable[[], None]
 
 
 class ScheduledSeq(NamedTuple):
@@ -40,7 +40,7 @@ class ForwardOutput(NamedTuple):
 
     seqs: list[Sequence]
     logits: torch.Tensor  # [B, rows] float32, raw (before temperature or filtering): every output row,
-    # reserved ones too (rows = vocab + reserved; see Engine.reserve_output_rows)
+    # reserved ones too (rows = vocab + reserved; see `run`'s sample_vocab)
     next_tokens: list[int]  # [B] sampled with each sequence's SamplingParams
     hidden: torch.Tensor | None  # [B, hidden] final-normed last hidden state, when asked for
     bad_rows: tuple[int, ...] = ()  # rows whose logits hold NaN/inf: placeholder tokens, the sequence must fail
@@ -100,13 +100,6 @@ class ModelRunner:
             for st in self.streams:
                 st.wait_stream(torch.cuda.current_stream(st.device))  # after the weight and KV set-up
         self.graphs: StepGraphs | None = None
-        # sample token ids below this (None: every output row); the rows past it are not tokens
-        # (Co-LLM's deferral row): the engine reserves them, a routing policy reads them
-        self.sample_vocab: int | None = None
-        # called before each layer of a CPU step, in the stepping thread (an owner sharing the
-        # cores between models adjusts this thread's intra-op threads there); None: nothing
-        self.layer_hook: Callable[[], None] | None = None
-        self.fault_hook: StepFaultHook | None = None
         if self.cuda and ecfg.cuda_graphs and len(devices) == 1:
             self.capture_graphs()
 
@@ -134,12 +127,12 @@ class ModelRunner:
         return graphs
 
     def _forward_one(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: object,
-                     backend: AttentionBackend | None = None) -> torch.Tensor:
+                     backend: AttentionBackend | None = None, layer_hook: LayerHook | None = None) -> torch.Tensor:
         """One device: ids, positions [T] -> hidden [T, hidden]. What a CUDA graph captures."""
         st = self.stages[0]
         ctx = AttnContext(backend or st.backend, meta, st.kv, tuple(c[positions] for c in st.cos),
                           tuple(s[positions] for s in st.sin))
-        return self.model.forward_stages(input_ids, [(range(len(self.model.layers)), ctx)], self.layer_hook)
+        return self.model.forward_stages(input_ids, [(range(len(self.model.layers)), ctx)], layer_hook)
 
     def _on_streams(self) -> contextlib.ExitStack:
         """This runner's streams current on their devices, and its first device current."""
@@ -177,7 +170,8 @@ class ModelRunner:
         """int64 on the host, pinned on CUDA: a copy from pageable memory would wait for the stream."""
         return torch.tensor(values, dtype=torch.int64, pin_memory=self.cuda)
 
-    def forward(self, layout: BatchLayout, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, layout: BatchLayout, input_ids: torch.Tensor, positions: torch.Tensor,
+                layer_hook: LayerHook | None = None) -> torch.Tensor:
         """Host layout -> hidden [T, hidden] on the last device: a graph replay when one fits, else eager."""
         if len(self.stages) == 1:
             key = self.graphs.key_for(layout) if self.graphs is not None else None
@@ -185,7 +179,8 @@ class ModelRunner:
                 return self.graphs.run(key, layout, input_ids, positions)
             dev = self.device
             layout = layout._replace(slot_mapping=up(layout.slot_mapping, dev), block_tables=up(layout.block_tables, dev))
-            return self._forward_one(up(input_ids, dev), up(positions, dev), self.backend.plan(layout))
+            return self._forward_one(up(input_ids, dev), up(positions, dev), self.backend.plan(layout),
+                                     layer_hook=layer_hook)
         ctxs = []
         for st in self.stages:  # the step's metadata on every device of the group
             lay = layout._replace(slot_mapping=up(layout.slot_mapping, st.device),
@@ -196,9 +191,13 @@ class ModelRunner:
         return self.model.forward_stages(up(input_ids, self.device), ctxs)
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq], want_hidden: bool = False) -> ForwardOutput:
+    def run(self, batch: list[ScheduledSeq], want_hidden: bool = False, sample_vocab: int | None = None,
+            layer_hook: LayerHook | None = None) -> ForwardOutput:
         """Compute the scheduled tokens, write their K/V, and sample for every sequence whose
-        known tokens are now all computed (a mid-prompt prefill chunk samples nothing)."""
+        known tokens are now all computed (a mid-prompt prefill chunk samples nothing).
+        `sample_vocab`: sample token ids below it (None: every output row); the rows past it are
+        not tokens (Co-LLM's deferral row), a routing policy reads them. The caller passes it and
+        `layer_hook` per step, so one runner serves callers that want different ones."""
         # decodes first, longest context first: the attention backend pads decodes by length group
         batch = sorted(batch, key=lambda s: (not (s.num_tokens == 1 and s.seq.num_computed_tokens > 0),
                                              -s.seq.num_computed_tokens))
@@ -210,15 +209,13 @@ class ModelRunner:
                 seqs.append(seq)
         with self._on_streams():
             layout, input_ids, positions = self.layout(batch)
-            hidden = self.forward(layout, input_ids, positions)  # [T, hidden]
+            hidden = self.forward(layout, input_ids, positions, layer_hook)  # [T, hidden]
             if not rows:  # a prefill chunk: nothing to wait for (later steps queue behind it)
                 return ForwardOutput([], torch.empty(0, self.cfg.vocab_size), [], None)
             last = hidden[host_tensor(rows, torch.int64, hidden.device)]  # [B, hidden]
             logits = self.model.compute_logits(last)  # [B, vocab] fp32
-            if self.fault_hook is not None:
-                self.fault_hook(seqs, logits)
             params, gens = [s.sampling for s in seqs], [s.generator for s in seqs]
-            tok_logits = logits if self.sample_vocab is None else logits[:, :self.sample_vocab]  # [B, V]
+            tok_logits = logits if sample_vocab is None else logits[:, :sample_vocab]  # [B, V]
             if not self.cuda:  # NaN/inf rows: those sequences fail alone, the rest commit
                 bad_rows = nonfinite_host_rows(tok_logits)
                 tokens = sample(tok_logits, params, gens, bad_rows)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engines.output import OutputStream
 from engines.sampling import SamplingParams
 
 class SeqStatus(enum.Enum):
@@ -32,8 +33,10 @@ class Sequence:
     last_page_key: object = None  # prefix-cache key of the last registered page (chain parent)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
-    stop_text_len: int | None = None  # where a stop string cut the text
     user_data: object = None  # owner's handle (the runtime keeps its request here)
+    # where its committed tokens go (stop checks, text): the engine's own stream for a request of
+    # `add_request`, whose token list is this sequence's; a router's request stream otherwise
+    output: OutputStream | None = None
     t_ready: float | None = None  # when it last became ready to compute (admission-delay metric)
 
     def __post_init__(self) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from engines.config import EngineConfig, ModelConfig
 from engines.engine import Engine
-from engines.runner import ForwardOutput, ScheduledSeq, StepFaultHook
+from engines.runner import ForwardOutput, LayerHook, ScheduledSeq
 from engines.sampling import nonfinite_host_rows, sample
 
 
@@ -35,8 +35,6 @@ def sim_model_config(vocab_size: int = 512, max_len: int = 8192, eos: tuple[int,
 class SimRunner:
     def __init__(self, cfg: ModelConfig, latency_a: float, latency_c: float, token_seed: int):
         self.cfg, self.a, self.c, self.token_seed = cfg, latency_a, latency_c, token_seed
-        self.num_batches = 0
-        self.fault_hook: StepFaultHook | None = None  # test-only, as ModelRunner's
 
     def latency(self, batch_size: int) -> float:
         return self.a + self.c * batch_size
@@ -51,17 +49,17 @@ class SimRunner:
         logits[32 + h % 95] = 1.0 + (h >> 8) % 12  # printable ASCII only: readable text, no accidental EOS
         return logits
 
-    def run(self, batch: list[ScheduledSeq], want_hidden: bool = False) -> ForwardOutput:
+    def run(self, batch: list[ScheduledSeq], want_hidden: bool = False, sample_vocab: int | None = None,
+            layer_hook: LayerHook | None = None) -> ForwardOutput:
+        """ModelRunner.run's contract; `sample_vocab` and `layer_hook` have nothing to act on here
+        (SimEngine reserves no rows, and CoreShare never shares cores with a model that sleeps)."""
         t0 = time.perf_counter()
         seqs = [s for s, n in batch if s.num_computed_tokens + n == len(s.token_ids)]
         logits = torch.stack([self.next_logits(s.token_ids, len(s.token_ids)) for s in seqs]) if seqs \
             else torch.empty(0, self.cfg.vocab_size)
-        if self.fault_hook is not None and seqs:
-            self.fault_hook(seqs, logits)
         bad = nonfinite_host_rows(logits)
         tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs], bad).tolist() if seqs else []
         hidden = torch.zeros(len(seqs), self.cfg.hidden_size) if want_hidden else None
-        self.num_batches += 1
         # sleep the remainder of L(b): the bookkeeping above counts as part of the step
         rest = self.latency(len(batch)) - (time.perf_counter() - t0)
         if rest > 0:
@@ -80,9 +78,7 @@ class SimEngine(Engine):
         self._setup(mcfg, ecfg, SimRunner(mcfg, latency_a, latency_c, token_seed), ByteTokenizer(),
                     [torch.device("cpu")], torch.float32)
 
-    def set_layer_hook(self, hook) -> None:
-        raise ValueError("a sim engine has no layers to hook: its steps sleep")
-
-    def reserve_output_rows(self, n: int) -> None:
+    def check_reserved_rows(self, n: int) -> int:
         if n:
             raise ValueError("a sim engine has no output head to reserve rows of")
+        return n

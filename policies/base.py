@@ -28,7 +28,7 @@ changes nothing:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, NamedTuple, Sequence
+from typing import Any, ClassVar, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -62,11 +62,6 @@ class ReqView(NamedTuple):
     def loc(self) -> int:
         """The decoding position: the position of the token just sampled."""
         return len(self.token_ids)
-
-
-# Test-only (Policy.set_fault_hook): `hook(stage, reqs)` with stage "route" (the batch's views),
-# "send" or "receive" (the one request's view).
-PolicyFaultHook = Callable[[str, Sequence[ReqView]], None]
 
 
 class StepResult(NamedTuple):
@@ -103,7 +98,6 @@ class Policy:
     commit_on_send: ClassVar[bool] = False  # default send: does the sampled token travel (and commit)?
     route_in_worker: ClassVar[bool] = False  # route is heavy (a router network): run it off the event loop
     per_request: ClassVar[bool] = True  # may a client pick this policy per request (no trained state)?
-    fault_hook: PolicyFaultHook | None = None  # test-only: see set_fault_hook
 
     @classmethod
     def allows_per_request(cls, args: dict[str, Any]) -> bool:
@@ -119,12 +113,6 @@ class Policy:
                              f"the router has {len(model_names)}: {list(model_names)}")
         self.model_names = list(model_names)
 
-    def set_fault_hook(self, hook: PolicyFaultHook | None) -> None:
-        """Test-only (aiorouter/faults.py): the runtime calls `hook(stage, reqs)` as the first thing
-        of each route, send and receive of this policy, so an exception it raises is that function
-        raising: what tests and the soak inject on purpose. None (the default) costs nothing."""
-        self.fault_hook = hook
-
     def setup(self, models: Sequence[ModelInfo]) -> None:
         """Called once at router start, after `bind`, with each model's files, sizes and device,
         in router order. Raise ValueError for a model this policy cannot route (named in the message)."""
@@ -133,6 +121,12 @@ class Policy:
         """Rows of `model`'s output head past the vocabulary the models share, read by this policy.
         Asked after `setup`; never sampled; handed to `route` as `StepResult.extra_logits`."""
         return 0
+
+    @property
+    def admits(self) -> bool:
+        """Does this policy choose where a request starts (overrides `admit`)? The router builds
+        the query text for `admit` only then: decoding a prompt's ids costs per request."""
+        return type(self).admit is not Policy.admit
 
     def admit(self, rid: str, prompt_ids: list[int], text: str | None) -> int | None:
         """The model a new request starts on, decided before any model steps; None: the entry model.

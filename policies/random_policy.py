@@ -6,7 +6,7 @@ Seeded per request, so a request's routing does not depend on what it is batched
 `key="request"` (the default) draws each request's coins from its request id, a fresh uuid, so
 no two requests route alike, even two with one prompt; `key="prompt"` draws them from the prompt,
 so a prompt routes the same way in every request and every run, as a router network's decisions
-would. A benchmark that compares schedules on the same prompts (bench.modes --interleave) gets the
+would. A benchmark that compares schedules on the same prompts (bench.modes) gets the
 same work in each then, not a new draw of the coins.
 """
 from __future__ import annotations

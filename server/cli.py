@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # `aiorouter --help` imports no torch
-    from aiorouter import ModelSpec
+    from aiorouter import ModelSpec, RouterConfig
 
 log = logging.getLogger("aiorouter.cli")
 
@@ -132,7 +132,9 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
                          "host's throughput while it runs) (default: re-solve on drift, as Router(retune=True))")
 
 
-def router_kwargs(args) -> dict[str, object]:
+def router_args(args) -> tuple[dict[str, ModelSpec], RouterConfig]:
+    """The command line's models and router config."""
+    from aiorouter import RouterConfig
     models = parse_models(args.model)
     if args.dtype != "float32":
         models = {k: replace(v, dtype=args.dtype) if v.engine == "real" else v for k, v in models.items()}
@@ -142,10 +144,10 @@ def router_kwargs(args) -> dict[str, object]:
     if not args.model and not args.policy_arg and args.policy == DEFAULT_POLICY:
         from aiorouter import DEFAULT_POLICY_ARGS
         policy_args = dict(DEFAULT_POLICY_ARGS)  # what the default pair is tuned for
-    return dict(models=models, policy=args.policy, policy_args=policy_args, entry=args.entry,
-                device=args.device, mode=args.mode, max_concurrency=args.max_concurrency,
-                kv_memory_gb=args.kv_memory_gb, threads=parse_threads(args.threads), retune=args.retune,
-                faults=parse_faults(args.inject_faults), max_restarts=args.max_restarts)
+    return models, RouterConfig(policy=args.policy, policy_args=policy_args, entry=args.entry, device=args.device,
+                                mode=args.mode, max_concurrency=args.max_concurrency, kv_memory_gb=args.kv_memory_gb,
+                                threads=parse_threads(args.threads), retune=args.retune,
+                                faults=parse_faults(args.inject_faults), max_restarts=args.max_restarts)
 
 
 def parse_faults(path: str | None):
@@ -168,7 +170,7 @@ def parse_threads(text: str | None) -> int | dict[str, int] | None:
 
 def make_router(args):
     from aiorouter import Router
-    return Router(**router_kwargs(args))
+    return Router(*router_args(args))
 
 
 def server_config(args):
@@ -315,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             # before the models are resolved: a missing extra is the first thing to hear
             require_ray(loopback=args.ray_address is None and args.host in ("127.0.0.1", "localhost"))
             listen(args.host, args.port).close()  # Ray Serve binds it later, after minutes of start-up
-            return serve_ray(args, router_kwargs(args), server_config(args))
+            return serve_ray(args, *router_args(args), server_config(args))
         return run(serve_main(args) if args.cmd == "serve" else generate_main(args))
     except (CliError, ValueError, FileNotFoundError) as e:
         print(f"aiorouter {args.cmd}: error: {e}", file=sys.stderr)

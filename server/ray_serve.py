@@ -23,6 +23,7 @@ import threading
 from dataclasses import replace
 from typing import Any, AsyncIterator, Mapping
 
+from aiorouter.config import RouterConfig
 from aiorouter.spec import ModelSpec
 from engines.devices import parse_devices
 from server.app import ServerConfig
@@ -84,7 +85,7 @@ def replica_resources(models: Mapping[str, Any], device: str = "cpu",
 class RouterReplica:
     """One Serve replica: a Router and server/app.py's `Server` on a unix socket only it can reach."""
 
-    async def __init__(self, router_kwargs: dict[str, Any], config: ServerConfig):
+    async def __init__(self, models: dict[str, Any], router_config: RouterConfig, config: ServerConfig):
         import aiohttp
         import ray
         from aiohttp import web
@@ -93,13 +94,12 @@ class RouterReplica:
         from server.app import Server
         ctx = ray.get_runtime_context()
         self.name = ctx.get_actor_name() or "local"
-        kwargs = dict(router_kwargs)
         cpus = ctx.get_assigned_resources().get("CPU")
-        if kwargs.get("threads") is None and cpus and cpus < (os.cpu_count() or 1):
+        if router_config.threads is None and cpus and cpus < (os.cpu_count() or 1):
             # the Router plans threads for the whole machine, but this replica shares it: more threads
-            # than its cores make OpenMP teams of co-located replicas fight (bench/RESULTS-ray.md)
-            kwargs["threads"] = max(1, int(cpus))
-        self.router = Router(**kwargs)
+            # than its cores make OpenMP teams of co-located replicas fight (bench/RESULTS.md, "Replicas")
+            router_config = replace(router_config, threads=max(1, int(cpus)))
+        self.router = Router(models, router_config)
         self.server = Server(self.router, config)
         self._dir = tempfile.mkdtemp(prefix="aiorouter-")
         sock = os.path.join(self._dir, "http.sock")
@@ -121,7 +121,7 @@ class RouterReplica:
                 yield chunk
 
     def check_health(self) -> None:
-        # a subserver that died restarts in the replica (Router.max_restarts); one past its restarts
+        # a subserver that died restarts in the replica (RouterConfig.max_restarts); one past its restarts
         # leaves the router dead, and Serve replaces the replica
         if self.router.dead:
             raise RuntimeError(f"router is dead: {self.router.dead}")
@@ -203,13 +203,13 @@ class Ingress:
 
 
 # -- building and running --------------------------------------------------------------------------
-def build_app(router_kwargs: dict[str, Any], config: ServerConfig = ServerConfig(), replicas: int = 1,
-              num_cpus: float | None = None, grace_s: float = 30.0, max_ongoing_requests: int | None = None):
+def build_app(models: dict[str, Any], router_config: RouterConfig, config: ServerConfig = ServerConfig(),
+              replicas: int = 1, num_cpus: float | None = None, grace_s: float = 30.0,
+              max_ongoing_requests: int | None = None):
     """The Serve application: `replicas` RouterReplicas, resources taken from the model specs."""
     _, serve = require_ray()
-    kwargs = dict(router_kwargs)
-    opts, kwargs["models"], kwargs["device"] = replica_resources(kwargs["models"], kwargs.get("device", "cpu"),
-                                                                  num_cpus)
+    opts, models, device = replica_resources(models, router_config.device, num_cpus)
+    router_config = replace(router_config, device=device)
     backend = serve.deployment(RouterReplica, name="RouterReplica", num_replicas=replicas, ray_actor_options=opts,
                                # Serve queues beyond the router's slots, where a dead replica costs nothing
                                max_ongoing_requests=max_ongoing_requests or config.max_concurrency,
@@ -217,10 +217,10 @@ def build_app(router_kwargs: dict[str, Any], config: ServerConfig = ServerConfig
                                graceful_shutdown_timeout_s=grace_s)
     ingress = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=100_000)
-    return ingress.bind(backend.bind(kwargs, config))
+    return ingress.bind(backend.bind(models, router_config, config))
 
 
-def serve_ray(args, router_kwargs: dict[str, Any], config: ServerConfig) -> int:
+def serve_ray(args, models: dict[str, Any], router_config: RouterConfig, config: ServerConfig) -> int:
     """`aiorouter serve --ray`: start a local Ray cluster (or join --ray-address) and serve until SIGTERM."""
     own = args.ray_address is None
     ray, serve = require_ray(loopback=own and args.host in ("127.0.0.1", "localhost"))
@@ -236,7 +236,7 @@ def serve_ray(args, router_kwargs: dict[str, Any], config: ServerConfig) -> int:
         signal.signal(sig, on_signal)
     try:
         num_cpus = None
-        need = replica_resources(router_kwargs["models"], router_kwargs.get("device", "cpu"))[0]["num_cpus"]
+        need = replica_resources(models, router_config.device)[0]["num_cpus"]
         have = ray.cluster_resources().get("CPU", 1.0)
         if own and need * args.replicas > have:
             # a local cluster cannot grow: the replicas share this machine's cores rather than wait forever
@@ -244,11 +244,11 @@ def serve_ray(args, router_kwargs: dict[str, Any], config: ServerConfig) -> int:
             log.warning("%d replicas want %.1f CPUs each; this machine has %.0f: each gets %.2f",
                         args.replicas, need, have, num_cpus)
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(router_kwargs, config, args.replicas, num_cpus, grace_s=args.grace), name=APP,
+        serve.run(build_app(models, router_config, config, args.replicas, num_cpus, grace_s=args.grace), name=APP,
                   route_prefix="/")
         started.set()
         log.info("ready: http://%s:%d/v1 (%d replicas on Ray Serve, policy %s, mode %s)", args.host, args.port,
-                 args.replicas, router_kwargs.get("policy"), router_kwargs.get("mode"))
+                 args.replicas, router_config.policy, router_config.mode)
         stop.wait()
         log.info("shutting down: replicas get %.0fs to finish in-flight requests", args.grace)
         serve.delete(APP)

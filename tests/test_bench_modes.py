@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from bench.modes import summarise
-from bench.modes_model import observed_overhead, observed_routing, predicted_for
+from bench.modes.model import observed_overhead, observed_routing, predicted_for
 
 
 def _run(steps, computed, handoffs):
@@ -37,7 +37,7 @@ def test_observed_routing_counts_tau_in_the_steady_window_where_every_run_has_on
 
 def test_window_steps_counts_steps_that_start_inside_and_knows_when_spans_were_dropped():
     from aiorouter.metrics import SPANS_KEPT
-    from bench.modes_interleaved import window_steps
+    from bench.modes.interleaved import window_steps
     spans = [(0.0, 0.5, 2, 10), (0.5, 1.0, 3, 3), (1.0, 1.5, 1, 96), (2.0, 2.5, 4, 4)]
     assert window_steps(spans, (0.5, 2.0)) == (4, 99)
     assert window_steps([], (0.0, 1.0)) == (0, 0)
@@ -47,7 +47,7 @@ def test_window_steps_counts_steps_that_start_inside_and_knows_when_spans_were_d
 
 
 def test_stagger_spreads_first_requests_over_one_request():
-    from bench.modes_cycles import stagger
+    from bench.modes.cycles import stagger
     assert [stagger(64, 4, k) for k in range(4)] == [16, 32, 48, 64]
     assert stagger(64, 1, 0) == 64 and stagger(3, 16, 0) == 1
 
@@ -179,7 +179,7 @@ def test_closed_loop_steady_window_ends_when_the_first_client_runs_dry():
 
 def test_served_profile_scales_the_profile_to_the_runs_forwards():
     from aiorouter.tuning import Contention, StepCost
-    from bench.modes_model import PairProfile, served_profile
+    from bench.modes.model import PairProfile, served_profile
 
     cost = [StepCost(2e-3, 0.0, 0.1e-3), StepCost(20e-3, 0.0, 1e-3)]
     prof = PairProfile(["small", "large"], cost, Contention(2), [], [1, 2], 1.0, 1.0)
@@ -192,26 +192,6 @@ def test_served_profile_scales_the_profile_to_the_runs_forwards():
     assert fit.scales == pytest.approx((1.0, 1.2)) and fit.steps == (60, 60)
     assert served.costs[1](2, 4) == pytest.approx(1.2 * cost[1](2, 4))
     assert served.contention.is_zero
-
-
-def test_sweep_runs_every_point_each_round_in_turn_and_keeps_medians():
-    from bench.modes import run_sweep
-    from bench.modes_cycles import SWEEP_KEYS
-    calls, readings = [], iter([100, 90, 80, 110, 95, 85, 120, 70, 90])
-
-    def run(th):
-        calls.append((th["small"], th["large"]))
-        v = float(next(readings))
-        return {**{k: 0.0 for k in SWEEP_KEYS}, "tok_s": v, "steady_tok_s": v + 1}
-
-    out = run_sweep(run, n=4, b0=2, rounds=3)
-    # feasible: (b0 - 1) + (b1 - 1) < 4 -> b1 in 1..3; each round starts one point later
-    assert calls == [(2, 1), (2, 2), (2, 3), (2, 2), (2, 3), (2, 1), (2, 3), (2, 1), (2, 2)]
-    assert list(out) == ["2,1", "2,2", "2,3"]
-    # (2,1) read 100, 85, 70; (2,2) 90, 110, 90; (2,3) 80, 95, 120
-    assert [out[b]["tok_s"] for b in out] == [85.0, 90.0, 95.0]
-    assert [out[b]["steady_tok_s"] for b in out] == [86.0, 91.0, 96.0]
-    assert out["2,1"]["rounds_tok_s"] == [100.0, 85.0, 70.0]
 
 
 def test_summary_reads_delayed_raced_against_the_better_of_sync_and_eager():

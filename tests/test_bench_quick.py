@@ -105,5 +105,5 @@ def test_bench_quick(tmp_path):
     assert data["machine"]["cores"] == os.cpu_count() and data["config"]["threads"]
     for p in ("throughput", "tradeoff", "ablation"):
         assert (tmp_path / f"quick-{p}.png").stat().st_size > 1000
-    md = (tmp_path / "RESULTS-quick.md").read_text()
+    md = (tmp_path / "quick.md").read_text()
     assert "## Targets" in md and "aiorouter / Std. Serving" in md

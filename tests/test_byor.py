@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from aiorouter import Router, RouterError
+from aiorouter import Router, RouterConfig, RouterError
 from conftest import make_tiny_qwen3
 from engines import Engine, SamplingParams
 from policies import ModelInfo
@@ -66,8 +66,8 @@ def between(p: torch.Tensor) -> float:
 
 async def routed(small, large, policy, args, names=("small", "large")):
     """-> (output token ids per request, tokens written by each model, the router's metrics)."""
-    async with Router({names[0]: str(small), names[1]: str(large)}, entry=names[0], policy=policy,
-                      policy_args=args) as r:
+    async with Router({names[0]: str(small), names[1]: str(large)}, RouterConfig(entry=names[0], policy=policy,
+                      policy_args=args)) as r:
         res = await asyncio.gather(*(r.generate(p, max_tokens=MAX_TOK, temperature=0.0, ignore_eos=True)
                                      for p in prompts()))
     return [x.token_ids for x in res], {n: sum(x.models.count(n) for x in res) for n in names}, r.metrics
@@ -192,9 +192,10 @@ async def test_collm_deferral_row_is_never_sampled(tiny_qwen3, ref, tmp_path):
     assert tokens == outs and written["large"] == want > N_REQ * MAX_TOK // 2
     # the rows must add up: a (V+1) small model needs a policy that reads its row
     with pytest.raises(ValueError, match="vocab sizes differ.*served as is with policy='colm'"):
-        await Router({"small": str(tmp_path / "collm"), "large": str(tiny_qwen3)}, policy="rstitch").start()
+        await Router({"small": str(tmp_path / "collm"), "large": str(tiny_qwen3)},
+                     RouterConfig(policy="rstitch")).start()
     with pytest.raises(ValueError, match="one larger than the large model's.*pass head="):
-        await Router({"small": str(tiny_qwen3), "large": str(tiny_qwen3)}, policy="colm").start()
+        await Router({"small": str(tiny_qwen3), "large": str(tiny_qwen3)}, RouterConfig(policy="colm")).start()
 
 
 # -- R2R: r2r/models/router.py (HiddenStatesTokenLMHeadLogitsClassifier, save_model) ---------------------
@@ -332,8 +333,8 @@ async def test_r2r_router_with_position_embedding(tiny_qwen3, hub_copy, ref, tmp
     tokens_out, written, _ = await routed(tiny_qwen3, tiny_qwen3, "r2r", args)
     assert tokens_out == outs and written["large"] == want and 0 < want < len(prob)
     with pytest.raises(ValueError, match="'Qwen/Qwen3-0.6B'.*not named so: pass small_path=DIR or model_dirs"):
-        await Router({"small": str(tiny_qwen3), "large": str(tiny_qwen3)}, policy="r2r",
-                      policy_args={"router": str(tmp_path / "router.pt")}).start()
+        await Router({"small": str(tiny_qwen3), "large": str(tiny_qwen3)}, RouterConfig(policy="r2r",
+                      policy_args={"router": str(tmp_path / "router.pt")})).start()
     # the network follows the small model's device unless told otherwise
     pol = R2RPolicy(str(tmp_path / "router.pt"), small_path=str(hub_copy))
     pol.setup([ModelInfo("small", str(hub_copy), 512, 64, "meta"), ModelInfo("large", None, 512, 64, "cpu")])
@@ -383,8 +384,8 @@ async def test_query_scorer_decides_before_any_step(tiny_chat_model):
     eng = Engine.from_pretrained(tiny_chat_model, num_kv_tokens=4096)
     want = [o.token_ids for o in eng.generate(texts, max_tokens=8, temperature=0.0, ignore_eos=True)]
     path = str(tiny_chat_model)
-    async with Router({"weak": path, "strong": path}, policy="query",
-                      policy_args={"scorer": rates, "thresholds": 0.5}) as r:
+    async with Router({"weak": path, "strong": path}, RouterConfig(policy="query",
+                      policy_args={"scorer": rates, "thresholds": 0.5})) as r:
         res = await asyncio.gather(*(r.generate(t, max_tokens=8, temperature=0.0, ignore_eos=True) for t in texts))
         assert [x.token_ids for x in res] == want
         assert [set(x.models) for x in res] == [{"weak"}, {"strong"}, {"weak"}, {"strong"}]
@@ -416,7 +417,7 @@ async def test_query_scorer_decides_before_any_step(tiny_chat_model):
             raise RuntimeError("scorer crashed")
         return 1.0
 
-    async with Router({"weak": path, "strong": path}, policy="query", policy_args={"scorer": scorer}) as r:
+    async with Router({"weak": path, "strong": path}, RouterConfig(policy="query", policy_args={"scorer": scorer})) as r:
         with pytest.raises(ValueError, match="an empty question"):
             r.submit("? what")
         assert r.num_active == 0

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import aiorouter
-from aiorouter import Router
+from aiorouter import Router, RouterConfig
 from server import cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +70,8 @@ def test_bad_generation_config_is_a_usage_error(tmp_path):
 async def test_generate_sends_a_user_message_and_raw_sends_text(tiny_chat_model):
     """`aiorouter generate TEXT` is router.stream([{"role": "user", "content": TEXT}]); --raw is stream(TEXT)."""
     text = "Tell me about cats."
-    async with Router({"small": str(tiny_chat_model), "large": str(tiny_chat_model)}, policy="single") as router:
+    async with Router({"small": str(tiny_chat_model), "large": str(tiny_chat_model)},
+                      RouterConfig(policy="single")) as router:
         chat = await router.generate([{"role": "user", "content": text}], max_tokens=12)
         raw = await router.generate(text, max_tokens=12)
     assert chat.text != raw.text  # the template changes the prompt, so the continuation
@@ -115,6 +116,6 @@ def test_no_retune_reaches_the_router():
     ap = argparse.ArgumentParser()
     cli.add_router_args(ap)
     sim = ["--model", "small=sim:1", "--model", "large=sim:6"]
-    assert cli.router_kwargs(ap.parse_args(sim))["retune"] is True
-    kwargs = cli.router_kwargs(ap.parse_args(sim + ["--no-retune"]))
-    assert kwargs["retune"] is False and Router(**kwargs).retune is False
+    assert cli.router_args(ap.parse_args(sim))[1].retune is True
+    models, config = cli.router_args(ap.parse_args(sim + ["--no-retune"]))
+    assert config.retune is False and Router(models, config).config.retune is False

@@ -25,9 +25,9 @@ def test_bad_thread_specs_name_the_problem(spec, msg):
 
 
 def test_router_refuses_bad_threads_at_construction():
-    from aiorouter import Router
+    from aiorouter import Router, RouterConfig
     with pytest.raises(ValueError, match="unknown model 'nope'"):
-        Router({"a": {"engine": "sim", "latency_ms": 1.0}}, threads={"nope": 2})
+        Router({"a": {"engine": "sim", "latency_ms": 1.0}}, RouterConfig(threads={"nope": 2}))
 
 
 def _tiny_engines(path, n=2):
@@ -42,7 +42,7 @@ def test_core_share_shrinks_the_heavy_team_while_light_steps_run(tiny_qwen3):
     engines = _tiny_engines(tiny_qwen3)
     share = CoreShare.plan(engines, [1, 2])
     share.cores = 2  # the bench machine's shape, whatever this one has
-    assert engines[1].layer_hook == share.heavy_layer and engines[0].layer_hook is None
+    assert share.layer_hook(1) == share.heavy_layer and share.layer_hook(0) is None
     seen = []
 
     def heavy_thread():  # a worker thread of its own, as in the router (thread counts are per thread)
@@ -81,4 +81,3 @@ def test_core_share_only_when_every_model_is_on_this_cpu(tiny_qwen3):
     assert CoreShare.plan([cpu, _GpuModel()], [1, 2]) is None
     assert CoreShare.plan([cpu, SimEngine()], [1, 2]) is None  # a sim engine sleeps: it takes no core
     assert CoreShare.plan([cpu], [2]) is None
-    assert cpu.layer_hook is None

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from aiorouter import DEFAULT_POLICY, DEFAULT_POLICY_ARGS, Router, default_models
+from aiorouter import DEFAULT_POLICY, DEFAULT_POLICY_ARGS, Router, RouterConfig, default_models
 from aiorouter.cpu_threads import plan_threads
 from bench.default_pair import FACTUAL_QUESTIONS, correct
 from engines import Engine
@@ -55,8 +55,8 @@ def test_default_pair_routes_and_answers_like_the_large_model(engines):
     questions = FACTUAL_QUESTIONS[:4]
 
     async def ask(models: dict, policy: str, args: dict):
-        async with Router(models, policy=policy, policy_args=args, entry=next(iter(models)),
-                          thresholds={k: 1 for k in models}) as r:
+        async with Router(models, RouterConfig(policy=policy, policy_args=args, entry=next(iter(models)),
+                          thresholds={k: 1 for k in models})) as r:
             return await asyncio.gather(*(r.generate([{"role": "user", "content": q}], max_tokens=16, temperature=0.0)
                                           for q, _ in questions))
 

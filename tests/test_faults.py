@@ -12,7 +12,7 @@ import torch
 from test_router import kv_clean
 from test_server import running_server
 
-from aiorouter import Router, RouterError
+from aiorouter import Router, RouterConfig, RouterError
 from aiorouter.faults import FaultPlan
 from engines import Engine, SamplingParams
 from engines.sampling import sample, sample_batched
@@ -50,11 +50,19 @@ def test_a_nonfinite_row_samples_in_the_vocabulary_and_leaves_the_others_alone(s
 
 
 # -- the engine alone ---------------------------------------------------------------------------
+class FaultyEngine(Engine):
+    """An engine whose forward meets PLAN's step faults: wrapped when it is built, as a router
+    wraps its step functions, so the engine itself carries no fault check."""
+
+    def execute(self, batch, want_hidden=False, reserved_rows=None, layer_hook=None):
+        return PLAN.wrap_step(super().execute)(batch, want_hidden, reserved_rows, layer_hook)
+
+
 def test_engine_step_fails_the_nan_sequence_alone(tiny_qwen3):
-    eng = Engine.from_pretrained(tiny_qwen3, num_kv_tokens=2048)
     ps = [[7, 8, 9, 10], list(MARK["nan"]) + [7, 8, 9], [11, 12, 13, 14], list(MARK["inf"]) + [9, 9]]
-    ref = eng.generate(ps, max_tokens=8, temperature=0.0, ignore_eos=True)
-    eng.set_fault_hook(PLAN.on_step)
+    ref = Engine.from_pretrained(tiny_qwen3, num_kv_tokens=2048).generate(ps, max_tokens=8, temperature=0.0,
+                                                                          ignore_eos=True)
+    eng = FaultyEngine.from_pretrained(tiny_qwen3, num_kv_tokens=2048)
     got = eng.generate(ps, max_tokens=8, temperature=0.0, ignore_eos=True)
     assert [o.finish_reason for o in got] == ["length", "error", "length", "error"]
     assert got[1].token_ids == ref[1].token_ids[:PLAN.after]  # the tokens before the fault stand
@@ -64,8 +72,7 @@ def test_engine_step_fails_the_nan_sequence_alone(tiny_qwen3):
 
 def test_a_nan_sequence_shares_none_of_its_kv(tiny_qwen3):
     """Its K/V may be broken too: the pages it computed leave the prefix cache (a clean sequence's stay)."""
-    eng = Engine.from_pretrained(tiny_qwen3, num_kv_tokens=2048)
-    eng.set_fault_hook(PLAN.on_step)
+    eng = FaultyEngine.from_pretrained(tiny_qwen3, num_kv_tokens=2048)
     body = list(range(100, 140))  # with the marker: 43 tokens, two full pages
     assert eng.generate([list(MARK["nan"]) + body], max_tokens=4, ignore_eos=True)[0].finish_reason == "error"
     kv = eng.kv_usage()
@@ -113,8 +120,8 @@ async def test_one_fault_fails_one_request_and_the_batch_commits(tiny_qwen3, ref
     """Identical models and greedy decoding: every request that is not marked must produce exactly
     what one model alone produces, though it shared its batches with the broken one."""
     args = {"p": 0.9, "seed": 1} if policy == "random" else None  # route, send, receive: hand off nearly always
-    async with Router({"small": str(tiny_qwen3), "large": str(tiny_qwen3)}, policy=policy, policy_args=args,
-                      mode="eager", faults=PLAN, kv_memory_gb=0.05) as r:
+    async with Router({"small": str(tiny_qwen3), "large": str(tiny_qwen3)}, RouterConfig(policy=policy, policy_args=args,
+                      mode="eager", faults=PLAN, kv_memory_gb=0.05)) as r:
         got = await outcomes(r, batch_of_prompts(kind))
         assert isinstance(got[2], RouterError) and message in str(got[2]), got[2]
         assert [g for i, g in enumerate(got) if i != 2] == [x for i, x in enumerate(reference[kind]) if i != 2]
@@ -126,16 +133,21 @@ async def test_one_fault_fails_one_request_and_the_batch_commits(tiny_qwen3, ref
         assert (await r.generate([5, 6, 7], max_tokens=4, ignore_eos=True)).token_ids  # and it serves on
 
 
-async def test_per_request_policies_get_the_fault_hook_and_the_engines_lose_it_at_close(tiny_qwen3):
-    from policies import RandomPolicy
+async def test_per_request_policies_meet_the_plan_and_what_the_router_was_handed_is_unchanged(tiny_qwen3):
+    from policies import RandomPolicy, SinglePolicy
+    from policies.base import ReqView
     eng = Engine.from_pretrained(tiny_qwen3, num_kv_tokens=1024)
-    async with Router({"small": eng, "large": str(tiny_qwen3)}, policy="single", faults=PLAN) as r:
+    given = SinglePolicy()
+    async with Router({"small": eng, "large": str(tiny_qwen3)}, RouterConfig(policy=given, faults=PLAN)) as r:
         override = RandomPolicy(p=1.0)
         with pytest.raises(RouterError, match="raised in send on model 'small'"):
             await r.generate(batch_of_prompts("send")[2], max_tokens=6, policy=override)
-        assert r.policy.fault_hook is not None
+        assert r.policy is not given and r.policy.name == given.name  # called through the plan
+    # the engine and the policy objects were wrapped, never changed: no fault fires through them
     assert eng.generate([list(MARK["nan"]) + [5]], max_tokens=4, ignore_eos=True)[0].finish_reason == "length"
-    assert r.policy.fault_hook is None
+    marked = ReqView("x", 0, list(MARK["send"]) + [1, 2, 3], len(MARK["send"]), 4, (0, 0), (), {}, 1)
+    assert PLAN.kind_of(marked.token_ids, marked.num_prompt_tokens) == "send"
+    assert override.send(marked).tokens == marked.token_ids  # the policy itself sends
 
 
 def test_fault_plan_is_checked(tmp_path):
@@ -203,8 +215,8 @@ async def test_long_prompts_that_exhaust_the_kv_pools_all_complete_exactly(tiny_
     ref = [o.token_ids for o in Engine.from_pretrained(tiny_qwen3, num_kv_tokens=4096).generate(
         ps, max_tokens=12, temperature=0.0, ignore_eos=True)]
     engines = {n: Engine.from_pretrained(tiny_qwen3, num_kv_tokens=512) for n in ("small", "large")}
-    async with Router(engines, policy="random", policy_args={"p": 0.5, "seed": 3}, mode="eager",
-                      faults=PLAN) as r:
+    async with Router(engines, RouterConfig(policy="random", policy_args={"p": 0.5, "seed": 3}, mode="eager",
+                      faults=PLAN)) as r:
         assert await outcomes(r, ps, max_tokens=12) == ref
         preempted = {n: e.kv_usage().preemptions for n, e in engines.items()}
         assert sum(preempted.values()) > 0, preempted

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import positive_data_acceptance
 
-from aiorouter import Router
+from aiorouter import Router, RouterConfig
 from bench.common import free_port, wait_healthy
 from conftest import make_tiny_chat_model
 
@@ -147,8 +147,8 @@ async def test_hypothesis_fuzzes_router_generate(tiny_chat_model):
     """Whatever arguments a caller passes, `generate` answers or raises ValueError/TypeError naming
     the problem, within a timeout, and the router serves the next request."""
     results: Counter = Counter()
-    async with Router({"small": str(tiny_chat_model), "large": str(tiny_chat_model)}, policy="random",
-                      kv_memory_gb=0.05) as router:
+    async with Router({"small": str(tiny_chat_model), "large": str(tiny_chat_model)}, RouterConfig(policy="random",
+                      kv_memory_gb=0.05)) as router:
         loop = asyncio.get_running_loop()
 
         @settings(max_examples=int(os.environ.get("AIOROUTER_FUZZ_EXAMPLES_ROUTER", "150")), deadline=None,

@@ -1,4 +1,4 @@
-"""bench/gpu_check.py runs end to end on CPU (--dry-run: tiny models, Triton under its interpreter),
+"""bench/gpu/check.py runs end to end on CPU (--dry-run: tiny models, Triton under its interpreter),
 each section in its own process, and falls back to the torch backend with CUDA graphs off when
 Triton fails, so the one call a GPU session gets is known to run and to come back with figures.
 Measures and verifies no GPU."""
@@ -18,7 +18,7 @@ def _check(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "out"
     # OUT as the device machine sets it; CUDA hidden (a CUDA machine would otherwise compile Triton)
     env = {**os.environ, "OUT": str(out), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", *args],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "check.py"), "--dry-run", *args],
                           env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert {p.name for p in out.iterdir()} == {"gpu_check.json", "gpu_check.md", "gpu_check.log"}

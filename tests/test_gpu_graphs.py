@@ -1,7 +1,7 @@
 """CUDA-graph bookkeeping on CPU: buckets, padding a step to its graph, copying metadata into the
 captured buffers, and whole-engine greedy parity with StepGraphs' CPU stand-in for a capture
 (the same static buffers re-run eagerly; Triton kernels under the interpreter). The capture and
-replay on a real GPU are the `gpu`-marked tests at the end and bench/gpu_check.py."""
+replay on a real GPU are the `gpu`-marked tests at the end and bench/gpu/check.py."""
 from __future__ import annotations
 
 from dataclasses import replace

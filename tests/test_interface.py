@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from aiorouter import Router, RouterError
+from aiorouter import Router, RouterConfig, RouterError
 from engines import Engine
 from policies import STAY, PeerReq, Policy, SmallLargePolicy
 from policies.rstitch import normalized_entropy
@@ -29,7 +29,7 @@ def other_qwen3(tmp_path_factory):
 
 
 async def run(small, large, policy, ps, **kw):
-    async with Router({"small": str(small), "large": str(large)}, policy=policy, entry="small", **kw) as r:
+    async with Router({"small": str(small), "large": str(large)}, RouterConfig(policy=policy, entry="small", **kw)) as r:
         res = await asyncio.gather(*(r.generate(p, max_tokens=MAX_TOK, temperature=0.0, ignore_eos=True)
                                      for p in ps))
         return res, dict(r.metrics.handoffs)
@@ -147,7 +147,7 @@ class BadReceive(SmallLargePolicy):
 
 @pytest.mark.parametrize("policy,msg", [(BadLoc(), "loc"), (BadReceive(), "not the request's committed tokens")])
 async def test_a_misbehaving_send_or_receive_fails_the_request_only(tiny_qwen3, policy, msg):
-    async with Router({"small": str(tiny_qwen3), "large": str(tiny_qwen3)}, policy=policy) as r:
+    async with Router({"small": str(tiny_qwen3), "large": str(tiny_qwen3)}, RouterConfig(policy=policy)) as r:
         with pytest.raises(RouterError, match=msg):
             await r.generate([5, 6, 7], max_tokens=4)
         ok = await r.generate([5, 6, 7], max_tokens=4, ignore_eos=True, policy=_single())

@@ -1,19 +1,20 @@
-"""Schedules measured in turn on one router (bench.modes --interleave): Router.set_schedule and
+"""Schedules measured in turn on one router (bench.modes): Router.set_schedule and
 the steady closed loop's windows, on SimEngine."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from aiorouter import Router
-from bench.modes_interleaved import SteadyLoop, pooled
+from aiorouter import Router, RouterConfig
+from bench.modes.interleaved import SteadyLoop, pooled
 
 SIM = {"small": {"engine": "sim", "latency_ms": 2.0}, "large": {"engine": "sim", "latency_ms": 6.0}}
 ARGS = dict(policy="random", policy_args={"p": 0.35, "seed": 1})
 
 
 async def test_set_schedule_switches_every_concurrency_while_serving():
-    async with Router(SIM, **ARGS, mode="delayed", thresholds={"small": 1, "large": 1}, max_concurrency=4) as r:
+    async with Router(SIM, RouterConfig(**ARGS, mode="delayed", thresholds={"small": 1, "large": 1},
+                                        max_concurrency=4)) as r:
         r.set_schedule("sync")
         assert [r.schedule(n) for n in range(1, 5)] == ["sync"] * 4
         res = await r.generate([1, 2, 3], max_tokens=12, ignore_eos=True)  # serves under the new schedule
@@ -33,11 +34,11 @@ async def test_set_schedule_switches_every_concurrency_while_serving():
 
 async def test_set_schedule_refuses_a_router_whose_schedule_it_does_not_own():
     with pytest.raises(RuntimeError, match="not started"):
-        Router(SIM, **ARGS, thresholds={"large": 2}).set_schedule("sync")
-    async with Router(SIM, **ARGS, mode="eager", thresholds={"large": 1}) as r:
+        Router(SIM, RouterConfig(**ARGS, thresholds={"large": 2})).set_schedule("sync")
+    async with Router(SIM, RouterConfig(**ARGS, mode="eager", thresholds={"large": 1})) as r:
         with pytest.raises(ValueError, match="mode 'eager'"):
             r.set_schedule("sync")
-    async with Router(SIM, **ARGS, tune_concurrency=2, max_concurrency=2) as r:  # thresholds="auto"
+    async with Router(SIM, RouterConfig(**ARGS, tune_concurrency=2, max_concurrency=2)) as r:  # thresholds="auto"
         with pytest.raises(ValueError, match="its tuner owns the schedule"):
             r.set_schedule("sync")
 
@@ -49,7 +50,8 @@ async def test_steady_loop_windows_start_and_end_on_answers_and_never_repeat_a_p
         asked.append(i)
         return [1 + i % 7, 2, 3]
 
-    async with Router(SIM, **ARGS, mode="delayed", thresholds={"small": 1, "large": 1}, max_concurrency=4) as r:
+    async with Router(SIM, RouterConfig(**ARGS, mode="delayed", thresholds={"small": 1, "large": 1},
+                                        max_concurrency=4)) as r:
         async with SteadyLoop(r, 3, prompt_at, 8, first_tokens=lambda k: 2 + 2 * k) as loop:
             await loop.ramped.wait()
             w = [await loop.measure(m, {"small": 1, "large": 2}, 0.05, 0.3, window_requests=5)
@@ -83,7 +85,8 @@ async def test_a_window_never_goes_on_without_a_client_that_died():
             raise ValueError(f"no prompt {i}")
         return [1, 2, 3]
 
-    async with Router(SIM, **ARGS, mode="delayed", thresholds={"small": 1, "large": 1}, max_concurrency=4) as r:
+    async with Router(SIM, RouterConfig(**ARGS, mode="delayed", thresholds={"small": 1, "large": 1},
+                                        max_concurrency=4)) as r:
         async with SteadyLoop(r, 2, prompt_at, 6) as loop:
             with pytest.raises(RuntimeError, match="client died: ValueError\\('no prompt 4'\\)"):
                 for _ in range(20):
@@ -103,7 +106,8 @@ async def test_windows_given_one_prompt_list_serve_the_same_requests():
         return at
 
     args = dict(policy="random", policy_args={"p": 0.35, "seed": 1, "key": "prompt"})
-    async with Router(SIM, **args, mode="delayed", thresholds={"small": 1, "large": 1}, max_concurrency=2) as r:
+    async with Router(SIM, RouterConfig(**args, mode="delayed", thresholds={"small": 1, "large": 1},
+                                        max_concurrency=2)) as r:
         async with SteadyLoop(r, 1, prompts_for("loop"), 8) as loop:
             await loop.ramped.wait()
             w = {m: await loop.measure(m, {"small": 1}, 0.02, 0.001, window_requests=5, prompts=prompts_for(m))
@@ -115,17 +119,14 @@ async def test_windows_given_one_prompt_list_serve_the_same_requests():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--interleave", "--rounds", "2", "--sweep-rounds", "3"], "--sweep-rounds must be between 1 and --rounds (2), got 3"),
-    (["--sweep-rounds", "1"], "--sweep-rounds applies to --interleave"),
-    (["--interleave", "--requests-per-client", "3"], "--requests-per-client and --min-requests size separate runs"),
-    (["--confirm", "2", "--sweep"], "--confirm, --race and --race-modes apply to --interleave"),
-    (["--race-modes", "2"], "--confirm, --race and --race-modes apply to --interleave"),
-    (["--interleave", "--race-modes", "-2"], "--race-modes K must be >= 0, got -2"),
-    (["--interleave", "--confirm", "2"], "--confirm K >= 0 needs --sweep"),
-    (["--interleave", "--sweep", "--confirm", "1", "--confirm-margin", "1.5"], "--confirm-margin is a share in [0, 1)"),
-    (["--race", "4", "--sweep"], "--confirm, --race and --race-modes apply to --interleave"),
-    (["--interleave", "--race", "4"], "--race K >= 0 needs --sweep"),
-    (["--interleave", "--sweep", "--race", "-1"], "--race K >= 0 needs --sweep"),
+    (["--rounds", "2", "--sweep-rounds", "3"], "--sweep-rounds must be between 1 and --rounds (2), got 3"),
+    (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    (["--race-modes", "-2"], "--race-modes K must be >= 0, got -2"),
+    (["--confirm", "2"], "--confirm K >= 0 needs --sweep"),
+    (["--sweep", "--confirm", "1", "--confirm-margin", "1.5"], "--confirm-margin is a share in [0, 1)"),
+    (["--race", "4"], "--race K >= 0 needs --sweep"),
+    (["--sweep", "--race", "-1"], "--race K >= 0 needs --sweep"),
+    (["--window", "0"], "--window must be > 0"),
 ])
 def test_modes_refuses_options_that_do_not_fit_together(argv, message, capsys):
     from bench.modes import main
@@ -144,7 +145,7 @@ def _window(tok_s: float, seconds: float = 1.0) -> dict:
 
 
 def test_a_sweep_point_pools_the_delayed_windows_that_ran_its_schedule():
-    from bench.modes_cycles import point_windows
+    from bench.modes.cycles import point_windows
     names = ["small", "large"]
     points = [("1,1", "delayed", {}), ("1,2", "delayed", {})]
     w = {"1,1": [_window(10)], "1,2": [_window(20)], "delayed": [_window(30), _window(40)]}
@@ -156,7 +157,7 @@ def test_a_sweep_point_pools_the_delayed_windows_that_ran_its_schedule():
 
 
 def test_contenders_are_the_points_near_the_measured_top_and_the_predicted_best():
-    from bench.modes_cycles import contenders
+    from bench.modes.cycles import contenders
     by_point = {"1,1": [_window(100)], "1,2": [_window(95), _window(93)], "1,3": [_window(90)], "1,4": [_window(80)]}
     # the chain's best among the points swept (its overall best, (2, 3) here, was not swept)
     pred = {"best_thresholds": [2, 3], "by_thresholds": {"1,1": 1.0, "1,2": 1.1, "1,3": 1.2, "1,4": 1.3, "2,3": 2.0}}
@@ -166,7 +167,7 @@ def test_contenders_are_the_points_near_the_measured_top_and_the_predicted_best(
 
 
 def test_contenders_can_rank_the_points_by_another_rate():
-    from bench.modes_cycles import contenders
+    from bench.modes.cycles import contenders
     by_point = {"1,1": [_window(100)], "1,2": [_window(80)], "1,3": [_window(60)]}
     pred = {"by_thresholds": {"1,1": 1.0, "1,2": 1.0, "1,3": 2.0}}
     slowest_first = lambda w: 1000.0 / w[0]["tok_s"]  # noqa: E731
@@ -178,7 +179,7 @@ def _in_cycle(tok_s: float, cycle: int) -> dict:
 
 
 def test_a_blocked_rate_reads_each_window_against_its_cycle():
-    from bench.modes_interleaved import blocked, cycle_reference
+    from bench.modes.interleaved import blocked, cycle_reference
     # cycle 2 ran at half speed: sync and eager read 50 and 200 there (geometric mean 100) against
     # 100 and 400 (200) in cycles 0 and 1
     w = {"sync": [_in_cycle(100, 0), _in_cycle(100, 1), _in_cycle(50, 2)],
@@ -196,13 +197,13 @@ def test_a_blocked_rate_reads_each_window_against_its_cycle():
 
 
 def test_the_sweep_cycles_are_spread_over_the_run():
-    from bench.modes_cycles import spread
+    from bench.modes.cycles import spread
     assert spread(3, 6) == {0, 2, 4} and spread(3, 8) == {0, 2, 5} and spread(6, 6) == set(range(6))
     assert spread(1, 6) == {0}
 
 
 def test_a_race_takes_turns_in_pairs_and_reads_the_geometric_mean_ratio():
-    from bench.modes_interleaved import race_order, race_read
+    from bench.modes.interleaved import race_order, race_read
     assert race_order("1,2", "1,3", 3) == ["1,2", "1,3", "1,3", "1,2", "1,2", "1,3"]
     r = race_read([100.0, 90.0, 120.0], [100.0, 100.0, 100.0])
     assert r["ratio"] == pytest.approx((0.9 * 1.2) ** (1 / 3)) and r["pairs"] == 3
@@ -233,7 +234,7 @@ def test_the_summary_reads_the_race_for_the_predicted_best():
 
 async def test_a_race_measures_the_predicted_best_against_the_best_other_point_on_fresh_prompts():
     from types import SimpleNamespace
-    from bench.modes_cycles import race
+    from bench.modes.cycles import race
     names = ["small", "large"]
     points = [(f"1,{b}", "delayed", {"small": 1, "large": b}) for b in (1, 2, 3)]
     # (1, 3) measured best so far, (1, 2) predicted best: those two race, (1, 1) does not
@@ -243,7 +244,8 @@ async def test_a_race_measures_the_predicted_best_against_the_best_other_point_o
     asked = []
     in_cycle = lambda c: (lambda i: asked.append((c, i)) or [10 + c, 11 + i, 3])  # noqa: E731
     args = SimpleNamespace(race=2, rounds=3, confirm=1)
-    async with Router(SIM, **ARGS, mode="delayed", thresholds={"small": 1, "large": 1}, max_concurrency=4) as r:
+    async with Router(SIM, RouterConfig(**ARGS, mode="delayed", thresholds={"small": 1, "large": 1},
+                                        max_concurrency=4)) as r:
         async with SteadyLoop(r, 2, lambda i: [1, 2, i % 50], 6) as loop:
             await loop.ramped.wait()
             got = await race(loop, 2, args, windows, points, pred, ("eager", dict.fromkeys(names, 1), names),
@@ -258,7 +260,7 @@ async def test_a_race_measures_the_predicted_best_against_the_best_other_point_o
 
 async def test_the_modes_race_puts_delayed_against_the_better_of_sync_and_eager_on_fresh_prompts():
     from types import SimpleNamespace
-    from bench.modes_cycles import race_modes
+    from bench.modes.cycles import race_modes
     names = ["small", "large"]
     # sync pooled higher than eager so far: delayed races sync
     windows = {"sync": [_in_cycle(110, 0)], "eager": [_in_cycle(100, 0)], "delayed": [_in_cycle(120, 0)]}
@@ -266,7 +268,8 @@ async def test_the_modes_race_puts_delayed_against_the_better_of_sync_and_eager_
     in_cycle = lambda c: (lambda i: asked.append((c, i)) or [10 + c, 11 + i, 3])  # noqa: E731
     ran = ("delayed", {"small": 1, "large": 2}, names)
     periods = (0.02, 0.1, 0.0, 0.0, 2)
-    async with Router(SIM, **ARGS, mode="delayed", thresholds={"small": 1, "large": 1}, max_concurrency=4) as r:
+    async with Router(SIM, RouterConfig(**ARGS, mode="delayed", thresholds={"small": 1, "large": 1},
+                                        max_concurrency=4)) as r:
         async with SteadyLoop(r, 2, lambda i: [1, 2, i % 50], 6) as loop:
             await loop.ramped.wait()
             got = await race_modes(loop, 2, SimpleNamespace(race_modes=3), windows, ran, periods, in_cycle, first=7)

@@ -13,7 +13,7 @@ PACKAGES = ("aiorouter", "engines", "policies", "server")
 # The engine's own white-box tests reach into its runner to test the runner (graph capture, stages,
 # a KV pool filled with NaN); everything else goes through the engine's public API.
 RUNNER_WHITE_BOX = {"tests/test_engine_api.py", "tests/test_gpu_graphs.py", "tests/test_gpu_parts_cpu.py",
-                    "tests/test_streams.py"}
+                    "tests/test_streams.py", "tests/test_architectures.py"}
 
 
 def modules() -> dict[str, Path]:

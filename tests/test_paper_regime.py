@@ -11,7 +11,7 @@ import aiohttp
 import numpy as np
 import torch
 
-from aiorouter import Router
+from aiorouter import Router, RouterConfig
 from bench.std_serving import EngineServer, StdServing, TokenDispatcher
 from bench.token_server import ServerProcesses, ServerSpec
 from engines import Engine, EngineConfig
@@ -44,8 +44,8 @@ async def test_http_per_token_protocol_matches_aiorouter(tiny_qwen3):
     ps, rids = _prompts(), ["a", "b", "c"]
     ref = [o.token_ids for o in Engine(tiny_qwen3, config=EngineConfig(num_kv_tokens=4096), load_tokenizer=False)
            .generate(ps, max_tokens=N_TOK, temperature=0.0, ignore_eos=True)]
-    async with Router({"small": str(tiny_qwen3), "large": str(tiny_qwen3)}, policy="random",
-                      policy_args={"p": 0.5, "seed": 3}, kv_memory_gb=0.05) as r:
+    async with Router({"small": str(tiny_qwen3), "large": str(tiny_qwen3)}, RouterConfig(policy="random",
+                      policy_args={"p": 0.5, "seed": 3}, kv_memory_gb=0.05)) as r:
         routed = [x.token_ids for x in await asyncio.gather(*(
             r.generate(p, max_tokens=N_TOK, temperature=0.0, ignore_eos=True) for p in ps))]
     assert routed == ref
@@ -138,21 +138,3 @@ def test_paper_regime_quick_schema(tmp_path):
     text = md.read_text()
     assert "<!-- paper-regime:begin -->" in text and "| figure | paper" in text and "Table 10" in text
 
-
-async def test_paper_regime_profile_splits_sim_steps():
-    """bench.paper_regime_profile times each sim step's parts: a step sleeps at least L, its parts are
-    ordered in time, and the throughput model's prediction at the steps as run is below the one at L."""
-    from bench.paper_regime import SIM_MS, solve_sim_thresholds
-    from bench.paper_regime_profile import one, predicted
-    n = 2
-    thresholds, dtmc = solve_sim_thresholds((0.0, 0.0), n)
-    o = await one("delayed", n, 8, thresholds, None)
-    assert o["tok_s"] > 0 and 0 <= o["loop_cpu_frac"] < 1
-    for name, m in o["models"].items():
-        assert m["steps"] > 0 and 1 <= m["mean_batch"] <= n
-        assert m["forward"] >= SIM_MS[name] and m["of it, over L"] >= 0
-        assert min(m["launch (schedule)"], m["hop to worker"], m["hop back to loop"], m["finish"]) >= 0
-        assert 0 < m["busy_frac"] <= 1
-    B = tuple(thresholds[n][k] for k in SIM_MS)
-    slower = {k: v + 1.0 for k, v in SIM_MS.items()}
-    assert predicted(slower, n, B)[0] < dtmc["by_N"][n]["tokens_per_s"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from aiorouter import Router
+from aiorouter import Router, RouterConfig
 from engines import Engine, SamplingParams
 from policies import BUILTIN, STAY, ReqView, StepResult, make_policy
 from policies.citer import CITERPolicy
@@ -76,15 +76,14 @@ def ref(tiny_qwen3):
         for s, lg in zip(out.seqs, out.logits):
             if s.num_output_tokens == 0:
                 first[s.seq_id] = lg
-        for s, t in zip(out.seqs, out.next_tokens):
-            eng.append_token(s, t)
+        assert not any(isinstance(c, Exception) for c in eng.commit(list(zip(out.seqs, out.next_tokens))))
     first_logits = torch.stack([first[s.seq_id] for s in seqs])
     return ps, ids, (torch.cat(L), torch.cat(T), torch.cat(Hs)), first_logits
 
 
 async def check_equivalence(path, ref, policy, args, names=("small", "large")):
     ps, ids, _, _ = ref
-    async with Router({n: str(path) for n in names}, entry=names[0], policy=policy, policy_args=args) as r:
+    async with Router({n: str(path) for n in names}, RouterConfig(entry=names[0], policy=policy, policy_args=args)) as r:
         res = await run_all(r, ps)
         assert [x.token_ids for x in res] == ids
         return res, r.metrics.handoffs
@@ -366,7 +365,7 @@ async def test_query_identical_models_equal_single(tiny_qwen3, ref):
 
 # -- bad input ----------------------------------------------------------------------------------------
 def pair(path, **kw):
-    return Router({"small": str(path), "large": str(path)}, entry="small", **kw)
+    return Router({"small": str(path), "large": str(path)}, RouterConfig(entry="small", **kw))
 
 
 async def test_bad_input_names_the_problem(tiny_qwen3, tmp_path):
@@ -387,8 +386,8 @@ async def test_bad_input_names_the_problem(tiny_qwen3, tmp_path):
     with pytest.raises(ValueError, match="picks among 3 models, but the router has 2"):
         pair(tiny_qwen3, policy="query", policy_args={"thresholds": [0.3, 0.6]})
     with pytest.raises(ValueError, match="routes between 2 models, the router has 3"):
-        Router({"a": str(tiny_qwen3), "b": str(tiny_qwen3), "c": str(tiny_qwen3)}, policy="colm",
-               policy_args={"head": {"weight": torch.zeros(64)}})
+        Router({"a": str(tiny_qwen3), "b": str(tiny_qwen3), "c": str(tiny_qwen3)}, RouterConfig(policy="colm",
+               policy_args={"head": {"weight": torch.zeros(64)}}))
     with pytest.raises(ValueError, match="has no argument 'treshold'"):
         pair(tiny_qwen3, policy="citer", policy_args={"router": "x.pt", "treshold": 0.5})
     with pytest.raises(ValueError, match="unknown score 'perplexity'"):

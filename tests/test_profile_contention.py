@@ -6,7 +6,7 @@ import pytest
 
 import engines.profile as profile
 from aiorouter.cpu_threads import CoreShare, plan_threads
-from aiorouter.tuning import Contention, StepCost, fit_step_cost
+from aiorouter.tuning.inputs import Contention, StepCost, fit_step_cost
 from conftest import make_tiny_qwen3
 from engines import Engine, EngineConfig
 from engines.profile import contention_pairs, profile_contention, profile_step_latency
@@ -44,7 +44,6 @@ def test_contention_profile_of_two_real_engines(two_engines, tmp_path, monkeypat
     monkeypatch.setattr(profile, "_measure_pair", lambda *a, **k: pytest.fail("measured again"))
     again = profile_contention(engines, pairs, threads=threads, wrap=share.step_fn, steps=2, cache_dir=tmp_path)
     assert again == got
-    engines[1].set_layer_hook(None)  # leave the module-scoped engine as built
 
 
 def test_sim_engines_measure_no_contention(two_engines):

@@ -15,6 +15,7 @@ import aiohttp
 import openai
 import pytest
 
+from aiorouter import RouterConfig
 from bench.common import free_port
 from server.app import ServerConfig
 from server.ray_serve import REPLICA_HEADER, replica_resources
@@ -74,7 +75,7 @@ def ray_app(tiny_chat_model):
     try:
         assert "node:127.0.0.1" in ray.cluster_resources(), ray.cluster_resources()  # loopback only
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app({"models": pair(tiny_chat_model), **ROUTER}, CONFIG, replicas=2, num_cpus=0.5,
+        app = build_app(pair(tiny_chat_model), RouterConfig(**ROUTER), CONFIG, replicas=2, num_cpus=0.5,
                         max_ongoing_requests=3)
         serve.run(app, name=APP, route_prefix="/")
         print(f"ray + 2 replicas up in {time.perf_counter() - t0:.1f}s")

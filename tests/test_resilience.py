@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from test_router import kv_clean
 
-from aiorouter import Router, RouterError, RouterUnavailable
+from aiorouter import Router, RouterConfig, RouterError, RouterUnavailable
 from aiorouter.faults import FaultPlan
 from bench.common import free_port, wait_healthy
 from engines import Engine
@@ -40,9 +40,9 @@ async def failures(router, prompts, max_tokens):
 async def test_a_killed_subserver_fails_every_request_at_once_then_restarts_fresh(tiny_qwen3):
     ref = Engine.from_pretrained(tiny_qwen3, num_kv_tokens=2048).generate(
         [[5, 6, 7, 8]], max_tokens=12, temperature=0.0, ignore_eos=True)[0].token_ids
-    async with Router({"small": str(tiny_qwen3), "large": str(tiny_qwen3)}, policy="random",
+    async with Router({"small": str(tiny_qwen3), "large": str(tiny_qwen3)}, RouterConfig(policy="random",
                       policy_args={"p": 0.5, "seed": 2}, mode="eager", faults=PLAN, kv_memory_gb=0.05,
-                      restart_delay_s=0.5) as r:
+                      restart_delay_s=0.5)) as r:
         prompts = [[20 + i, 30 + i, 40 + i] for i in range(5)] + [list(KILL) + [7, 8]]
         got = await failures(r, prompts, max_tokens=400)  # far longer than the kill takes to fire
         errors = [out for out, _ in got]
@@ -68,8 +68,8 @@ async def test_a_killed_subserver_fails_every_request_at_once_then_restarts_fres
 
 
 async def test_past_max_restarts_the_router_is_dead_and_says_why(tiny_qwen3):
-    async with Router({"small": str(tiny_qwen3), "large": str(tiny_qwen3)}, policy="single", faults=PLAN,
-                      kv_memory_gb=0.05, max_restarts=0) as r:
+    async with Router({"small": str(tiny_qwen3), "large": str(tiny_qwen3)}, RouterConfig(policy="single", faults=PLAN,
+                      kv_memory_gb=0.05, max_restarts=0)) as r:
         (err, _), = await failures(r, [list(KILL) + [7]], max_tokens=50)
         assert isinstance(err, RouterUnavailable)
         why = await asyncio.wait_for(r.wait_dead(), 1.0)
@@ -78,7 +78,7 @@ async def test_past_max_restarts_the_router_is_dead_and_says_why(tiny_qwen3):
         with pytest.raises(RouterUnavailable, match="max_restarts=0"):
             r.submit([5, 6], max_tokens=2)
     with pytest.raises(ValueError, match="max_restarts must be an integer >= 0"):
-        Router({"small": str(tiny_qwen3)}, max_restarts=-1)
+        Router({"small": str(tiny_qwen3)}, RouterConfig(max_restarts=-1))
 
 
 class OneBadToken:
@@ -107,7 +107,7 @@ async def test_a_token_that_will_not_detokenize_fails_its_request_alone(tiny_cha
         e = Engine.from_pretrained(tiny_chat_model, num_kv_tokens=2048)
         e.tokenizer = OneBadToken(e.tokenizer, bad)
         engines[name] = e
-    async with Router(engines, policy="random", policy_args={"p": 0.3, "seed": 1}, mode="eager") as r:
+    async with Router(engines, RouterConfig(policy="random", policy_args={"p": 0.3, "seed": 1}, mode="eager")) as r:
         got = [out for out, _ in await failures(r, prompts, max_tokens=8)]
         assert isinstance(got[1], RouterError) and f"(id {bad}) from model" in str(got[1])
         assert "KeyError" in str(got[1]) and not isinstance(got[1], RouterUnavailable)
@@ -118,7 +118,7 @@ async def test_a_token_that_will_not_detokenize_fails_its_request_alone(tiny_cha
 
 
 async def test_a_seed_past_64_bits_is_refused_and_the_router_serves_on(tiny_qwen3):
-    async with Router({"m": str(tiny_qwen3)}, kv_memory_gb=0.05) as r:
+    async with Router({"m": str(tiny_qwen3)}, RouterConfig(kv_memory_gb=0.05)) as r:
         for seed in (2**70, -(2**63) - 1, 1.5, True):
             with pytest.raises(ValueError, match=r"seed must be an integer in \[-9223372036854775808, "
                                                  r"9223372036854775807\]"):

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from aiorouter import Router, RouterError
+from aiorouter import Router, RouterConfig, RouterError
 from engines import Engine
 from policies import Policy, SmallLargePolicy, StepResult
 from policies.rstitch import normalized_entropy
@@ -32,7 +32,7 @@ async def run_all(router, ps, **kw):
 
 
 def pair(path, **kw):
-    return Router({"small": str(path), "large": str(path)}, entry="small", **kw)
+    return Router({"small": str(path), "large": str(path)}, RouterConfig(entry="small", **kw))
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +55,8 @@ async def test_identical_models_random_policy_equals_single(tiny_qwen3, tiny_ref
         for s in r.subservers:
             assert s.engine.kv_usage().prefix_matches <= N_REQ
         assert sum(h.values()) > 2 * N_REQ
-        # both on this CPU: the heavier model's layers are hooked to lend cores to the other's steps
-        assert sum(s.engine.layer_hook is not None for s in r.subservers) == 1
+        # both on this CPU: the heavier model's steps run with a layer hook that lends cores to the other's
+        assert r.core_share is not None and sum(r.core_share.layer_hook(i) is not None for i in range(2)) == 1
 
 
 def _median_entropy_tau(path, ps):
@@ -202,7 +202,7 @@ async def test_bad_input_is_refused_and_router_keeps_serving(tiny_qwen3):
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         pair(tiny_qwen3, policy="nope")
     with pytest.raises(ValueError, match="unknown entry model 'medium'"):
-        Router({"small": str(tiny_qwen3)}, entry="medium")
+        Router({"small": str(tiny_qwen3)}, RouterConfig(entry="medium"))
     with pytest.raises(ValueError, match="unknown mode"):
         pair(tiny_qwen3, mode="fast")
     with pytest.raises(ValueError, match="has no argument 'q'"):
@@ -236,3 +236,29 @@ async def test_vocabulary_mismatch_is_refused(tiny_qwen3, tmp_path):
     r = Router({"a": str(tiny_qwen3), "b": str(other)})
     with pytest.raises(ValueError, match="share one vocabulary"):
         await r.start()
+
+
+async def test_the_router_leaves_the_engines_it_was_handed_as_they_were(tiny_qwen3):
+    """Core sharing, the fault plan and the reserved rows are the router's, passed per step: an
+    engine it was handed keeps its attributes, bound to the same objects, while it serves and after,
+    and generates alone afterwards as an engine that never served (no fault plan left on it)."""
+    from aiorouter.faults import FaultPlan
+    engines = [Engine.from_pretrained(tiny_qwen3, num_kv_tokens=1024) for _ in range(2)]
+    marked = [501, 502, 7, 8]
+    ref = Engine.from_pretrained(tiny_qwen3, num_kv_tokens=1024).generate([marked], max_tokens=6, temperature=0.0,
+                                                                          ignore_eos=True)
+
+    def attrs(e):
+        return {k: id(v) for k, v in vars(e).items()}
+
+    before = [attrs(e) for e in engines]
+    cfg = RouterConfig(policy="random", policy_args={"p": 0.5, "seed": 1}, mode="eager",
+                       faults=FaultPlan({"nan": (501, 502)}))
+    async with Router(dict(zip(("small", "large"), engines)), cfg) as r:
+        assert r.core_share is not None  # both on this CPU: the heavy model's steps run with a layer hook
+        with pytest.raises(RouterError, match="non-finite logits"):
+            await r.generate(marked, max_tokens=6, ignore_eos=True)
+        assert [attrs(e) for e in engines] == before
+    assert [attrs(e) for e in engines] == before
+    for e in engines:
+        assert e.generate([marked], max_tokens=6, temperature=0.0, ignore_eos=True)[0].token_ids == ref[0].token_ids

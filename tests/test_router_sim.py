@@ -8,7 +8,7 @@ import time
 import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from aiorouter import Router
+from aiorouter import Router, RouterConfig
 from policies import Policy
 
 
@@ -71,8 +71,8 @@ def test_no_deadlock_for_any_feasible_threshold(case):
     names = [f"m{i}" for i in range(m)]
 
     async def main():
-        async with Router(sim_models([0.2] * m), policy=MatrixPolicy(P, seed), mode="delayed",
-                          thresholds=dict(zip(names, B)), max_concurrency=16) as r:
+        async with Router(sim_models([0.2] * m), RouterConfig(policy=MatrixPolicy(P, seed), mode="delayed",
+                          thresholds=dict(zip(names, B)), max_concurrency=16)) as r:
             await asyncio.wait_for(closed_loop(r, n, total_requests=2 * n, max_tokens=6), timeout=30)
             assert r.num_active == 0
 
@@ -84,7 +84,7 @@ def test_eager_beats_sync_at_n4():
     async def measure(mode):
         async with Router({"small": {"engine": "sim", "latency_ms": 6.0},
                            "large": {"engine": "sim", "latency_ms": 27.9}},
-                          policy="random", policy_args={"p": 0.35, "seed": 1}, mode=mode) as r:
+                          RouterConfig(policy="random", policy_args={"p": 0.35, "seed": 1}, mode=mode)) as r:
             return await closed_loop(r, 4, total_requests=32, max_tokens=40)
 
     sync = asyncio.run(measure("sync"))
@@ -99,7 +99,7 @@ def test_runs_on_uvloop_and_from_asyncio_run():
 
     async def main():
         loop_type = type(asyncio.get_running_loop()).__module__
-        r = Router(sim_models([0.5, 0.5]), policy="random", policy_args={"p": 0.5})
+        r = Router(sim_models([0.5, 0.5]), RouterConfig(policy="random", policy_args={"p": 0.5}))
         await r.start()  # the Jupyter form: no context manager, top-level await
         try:
             res = await r.generate("hi", max_tokens=5, ignore_eos=True)
@@ -118,7 +118,7 @@ def test_auto_thresholds_come_from_the_throughput_model():
 
     async def main():
         async with Router({"small": {"engine": "sim", "latency_ms": 6.0}, "large": {"engine": "sim", "latency_ms": 27.9}},
-                          policy="random", policy_args={"p": 0.35}, tune_concurrency=6) as r:
+                          RouterConfig(policy="random", policy_args={"p": 0.35}, tune_concurrency=6)) as r:
             assert r.thresholds(4) == {"small": 1, "large": 1}  # serving starts at once, eagerly
             await r.wait_tuned()
             tuner = r.tuning.tuner

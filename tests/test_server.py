@@ -17,7 +17,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from aiorouter import Router
+from aiorouter import Router, RouterConfig
 from bench.common import free_port, wait_healthy
 from engines import Engine
 from server.app import Server, ServerConfig
@@ -28,7 +28,7 @@ KEY = "sk-test"
 
 @contextlib.asynccontextmanager
 async def running_server(models, policy="random", policy_args=None, ready=True, faults=None, **cfg):
-    router = Router(models, policy=policy, policy_args=policy_args, kv_memory_gb=0.05, faults=faults)
+    router = Router(models, RouterConfig(policy=policy, policy_args=policy_args, kv_memory_gb=0.05, faults=faults))
     server = Server(router, ServerConfig(**cfg))
     runner = web.AppRunner(server.app(), handler_cancellation=True)
     await runner.setup()

@@ -14,25 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aiorouter.tuning import (
-    Contention,
-    LatencyModel,
-    ModelSpec,
-    RoutingEstimator,
-    SolveCache,
-    Tuner,
-    TunerConfig,
-    best_thresholds,
-    compare_latency_models,
-    feasible_thresholds,
-    fit_latency,
-    is_feasible,
-    simulate,
-    solve_dtmc,
-    solve_many,
-    threshold_table,
-    throughput,
-)
+from tuning_tools import compare_latency_models, simulate
+from aiorouter.tuning.dtmc import solve_dtmc, solve_many, throughput
+from aiorouter.tuning.inputs import Contention, LatencyModel, SystemSpec, fit_latency, is_feasible
+from aiorouter.tuning.learned import RoutingEstimator
+from aiorouter.tuning.search import SolveCache, best_thresholds, feasible_thresholds, threshold_table
+from aiorouter.tuning.tuner import Tuner, TunerConfig
 from aiorouter.tuning.cli import main as cli_main
 
 R2R_P = [[0.65, 0.35], [1.0, 0.0]]
@@ -64,7 +51,7 @@ def _random_case(rng: np.random.Generator, idx: int):
     B = feas[int(rng.integers(len(feas)))]
     # delta = 1 ms: latencies are whole ms, so the quantised chain is exact and
     # stays small; the simulator runs in continuous time.
-    spec = ModelSpec.build(P, C, lat, delta=1e-3)
+    spec = SystemSpec.build(P, C, lat, delta=1e-3)
     return spec, N, B
 
 
@@ -82,7 +69,7 @@ def test_dtmc_matches_monte_carlo(idx: int) -> None:
 
 
 def test_by_products_match_monte_carlo() -> None:
-    spec = ModelSpec.build([[0.5, 0.3, 0.2]] * 3, [[1, 1, 1]] * 3, [3 * MS, 7 * MS, 11 * MS],
+    spec = SystemSpec.build([[0.5, 0.3, 0.2]] * 3, [[1, 1, 1]] * 3, [3 * MS, 7 * MS, 11 * MS],
                            delta=1e-3)
     model = solve_dtmc(spec, 4, (1, 2, 2))
     sim = simulate(spec, 4, (1, 2, 2), events=3000, replications=128, seed=7)
@@ -141,7 +128,7 @@ def test_unused_model_reports_nan() -> None:
 def test_reducible_chain_matches_simulator() -> None:
     # Models 1 and 2 absorb: several closed classes are reachable from the start.
     P = [[0.5, 0.25, 0.25], [0, 1, 0], [0, 0, 1]]
-    spec = ModelSpec.build(P, [[1, 1, 1]] * 3, [5e-3, 10e-3, 20e-3], delta=1e-3)
+    spec = SystemSpec.build(P, [[1, 1, 1]] * 3, [5e-3, 10e-3, 20e-3], delta=1e-3)
     r = solve_dtmc(spec, 2, (1, 1, 1))
     assert r.closed_classes > 1
     sim = simulate(spec, 2, (1, 1, 1), events=300, warmup=60, replications=4096, seed=3)
@@ -150,7 +137,7 @@ def test_reducible_chain_matches_simulator() -> None:
 
 def test_paper_r2r_thresholds() -> None:
     # The paper fixes B0 = 1 and varies B1 at N = 2, 3, 4.
-    best = {N: best_thresholds(ModelSpec.build(R2R_P, R2R_C, R2R_L), N, cache=SolveCache()).best
+    best = {N: best_thresholds(SystemSpec.build(R2R_P, R2R_C, R2R_L), N, cache=SolveCache()).best
             for N in (2, 3, 4)}
     assert best == {2: (1, 2), 3: (1, 2), 4: (1, 3)}
 
@@ -173,7 +160,7 @@ def test_feasible_set_is_exactly_the_rule(M: int, N: int) -> None:
      [3e-3, 8e-3, 20e-3], 4),
 ])
 def test_search_equals_brute_force(P, C, L, N) -> None:
-    spec = ModelSpec.build(P, C, L, delta=1e-3 if len(P) == 3 else 1e-4)
+    spec = SystemSpec.build(P, C, L, delta=1e-3 if len(P) == 3 else 1e-4)
     res = best_thresholds(spec, N, cache=SolveCache())
     brute = {B: solve_dtmc(spec, N, B).throughput
              for B in itertools.product(range(1, N + 1), repeat=spec.M) if is_feasible(B, N)}
@@ -187,7 +174,7 @@ def test_search_equals_brute_force(P, C, L, N) -> None:
 
 
 def test_table_every_n_and_cache_hits() -> None:
-    spec = ModelSpec.build(R2R_P, R2R_C, R2R_L)
+    spec = SystemSpec.build(R2R_P, R2R_C, R2R_L)
     cache = SolveCache()
     t1 = threshold_table(spec, 6, cache=cache)
     assert t1.concurrencies == (1, 2, 3, 4, 5, 6)
@@ -202,10 +189,10 @@ def test_table_every_n_and_cache_hits() -> None:
 
 
 def test_parallel_search_equals_serial() -> None:
-    spec = ModelSpec.build([[0.5, 0.3, 0.2]] * 3, [[1] * 3] * 3, [6e-3, 15e-3, 27.9e-3],
+    spec = SystemSpec.build([[0.5, 0.3, 0.2]] * 3, [[1] * 3] * 3, [6e-3, 15e-3, 27.9e-3],
                            delta=1e-3)
     serial = best_thresholds(spec, 5, cache=SolveCache(), workers=1)
-    import aiorouter.tuning._searcher as search
+    import aiorouter.tuning.search as search
 
     old = search.PARALLEL_MIN_STATES
     search.PARALLEL_MIN_STATES = 0
@@ -234,6 +221,10 @@ def test_fit_latency_recovers_line() -> None:
 def test_fit_latency_clamps_and_rejects() -> None:
     assert fit_latency([1, 2, 4], [5e-3, 4.9e-3, 4.8e-3]).c == 0.0  # no negative slope
     assert fit_latency([1, 2, 4], [1e-3, 3e-3, 7e-3]).a == 0.0  # no negative intercept
+    # The clamped fits are the constrained least-squares optima: the mean, and the line through 0.
+    assert fit_latency([1, 2, 4], [5e-3, 4.9e-3, 4.8e-3]).a == pytest.approx(np.mean([5e-3, 4.9e-3, 4.8e-3]), rel=1e-12)
+    b, y = np.array([1.0, 2.0, 4.0]), np.array([1e-3, 3e-3, 7e-3])
+    assert fit_latency(b, y).c == pytest.approx(b @ y / (b @ b), rel=1e-12)
     with pytest.raises(ValueError, match="at least 2 points"):
         fit_latency([4], [1e-3])
     with pytest.raises(ValueError, match="distinct batch sizes"):
@@ -329,7 +320,7 @@ def test_tuner_resolves_when_the_step_cost_moves_the_step_times() -> None:
 def test_step_cost_service_fits_the_loop_work_per_step() -> None:
     from aiorouter.tuning.service import MIN_STEP_SAMPLES, TuningService
 
-    from aiorouter.tuning.served import StepSpan
+    from aiorouter.tuning.learned import StepSpan
 
     svc = TuningService(["small", "large"], (np.array(R2R_P), np.array(R2R_C)), 4, 4, lambda t, m: None)
     rng = np.random.default_rng(0)
@@ -430,13 +421,13 @@ def test_state_limit_stops_early() -> None:
 
 
 def test_search_reports_state_limit() -> None:
-    spec = ModelSpec.build(R2R_P, R2R_C, R2R_L)
+    spec = SystemSpec.build(R2R_P, R2R_C, R2R_L)
     with pytest.raises(ValueError, match="max_states"):
         best_thresholds(spec, 12, max_states=500, cache=SolveCache())
 
 
 def test_solve_many_equals_solve_dtmc() -> None:
-    spec = ModelSpec.build(R2R_P, R2R_C, R2R_L)
+    spec = SystemSpec.build(R2R_P, R2R_C, R2R_L)
     Bs = feasible_thresholds(2, 5)
     many = solve_many(spec, 5, Bs)
     for B, r in zip(Bs, many):
@@ -451,17 +442,17 @@ def test_solve_many_equals_solve_dtmc() -> None:
 
 
 def _chain(P, L, N, B, delta=1e-3):
-    from aiorouter.tuning._statespace import enumerate_chains
-    from aiorouter.tuning.spec import quanta_unit
+    from aiorouter.tuning.statespace import enumerate_chains
+    from aiorouter.tuning.inputs import quanta_unit
 
-    spec = ModelSpec.build(P, np.ones_like(np.asarray(P)), L, delta)
+    spec = SystemSpec.build(P, np.ones_like(np.asarray(P)), L, delta)
     d = spec.quanta_table(N)
     u = quanta_unit(d)
     return spec, enumerate_chains(spec.p_array(), d // u, u, N, [tuple(B)], 10**6), d // u
 
 
 def test_one_class_shortcut_agrees_with_graph_search() -> None:
-    from aiorouter.tuning._solver import _closed_classes, _surely_one_class
+    from aiorouter.tuning.solve import closed_classes, surely_one_class
 
     rng = np.random.default_rng(5)
     claimed = 0
@@ -477,16 +468,16 @@ def test_one_class_shortcut_agrees_with_graph_search() -> None:
         feas = feasible_thresholds(M, N)
         B = feas[int(rng.integers(len(feas)))]
         spec, cb, _ = _chain(P, [int(rng.integers(2, 9)) * MS for _ in range(M)], N, B)
-        if _surely_one_class(spec.p_array(), [B]):
+        if surely_one_class(spec.p_array(), [B]):
             claimed += 1
-            assert _closed_classes(cb)[0] == 1, (P, N, B)
+            assert closed_classes(cb)[0] == 1, (P, N, B)
     assert 5 <= claimed < 40  # the rule fires, but not vacuously everywhere
 
 
 def test_power_fallback_equals_gmres(monkeypatch: pytest.MonkeyPatch) -> None:
-    import aiorouter.tuning._solver as solver
+    import aiorouter.tuning.solve as solver
 
-    spec = ModelSpec.build([[0.5, 0.3, 0.2]] * 3, [[1] * 3] * 3, [3 * MS, 7 * MS, 11 * MS],
+    spec = SystemSpec.build([[0.5, 0.3, 0.2]] * 3, [[1] * 3] * 3, [3 * MS, 7 * MS, 11 * MS],
                            delta=1e-3)
     ref = solve_dtmc(spec, 4, (1, 2, 1))
     def failing(S, seg, u, *a, **k):  # every chain "fails": the power method must take over
@@ -503,20 +494,20 @@ def test_nearly_decomposable_chain_is_solved_by_the_tight_retry(monkeypatch: pyt
     GMRES solution met the residual test with entries of -7e-6, and on which the power method then
     ran for 20 minutes in a router's start-up solve. The retry at a tighter tolerance must solve it,
     without the power method, to the censored chain's exact stationary vector (a dense solve)."""
-    import aiorouter.tuning._solver as solver
-    from aiorouter.tuning._blocks import solver_blocks, solver_order
-    from aiorouter.tuning._statespace import enumerate_chains
+    import aiorouter.tuning.solve as solver
+    from aiorouter.tuning.solve import solver_blocks, solver_order
+    from aiorouter.tuning.statespace import enumerate_chains
     from aiorouter.tuning.dtmc import DEFAULT_TOL, chain_inputs
-    from aiorouter.tuning.spec import check_thresholds
+    from aiorouter.tuning.inputs import check_thresholds
 
     kappa = [(1, 1, 0, 1, 0.39), (0, 1, 1, 1, 0.07), (1, 1, 0, 8, 0.35), (0, 8, 1, 1, 0.14),
              (1, 16, 0, 1, 0.35), (0, 1, 1, 16, 0.12), (1, 16, 0, 8, 0.34), (0, 8, 1, 16, 0.07)]
-    spec = ModelSpec.build([[0.65, 0.35], [1.0, 0.0]], [[1.0, 0.0], [1.0, 0.0]],
+    spec = SystemSpec.build([[0.65, 0.35], [1.0, 0.0]], [[1.0, 0.0], [1.0, 0.0]],
                            [LatencyModel(4.113e-3, 0.1249e-3), LatencyModel(62.377e-3, 3.9416e-3)],
                            0.00037414207397839605, Contention.build(2, kappa))
     N, B = 13, (1, 2)
     first = []
-    real_fixed = solver._fixed_points
+    real_fixed = solver.fixed_points
 
     def checked(*a):
         ok = real_fixed(*a)
@@ -526,7 +517,7 @@ def test_nearly_decomposable_chain_is_solved_by_the_tight_retry(monkeypatch: pyt
     def no_power(*a, **k):
         raise AssertionError("the power method ran")
 
-    monkeypatch.setattr(solver, "_fixed_points", checked)
+    monkeypatch.setattr(solver, "fixed_points", checked)
     monkeypatch.setattr(solver, "power", no_power)
     d_units, unit, kap, rmax = chain_inputs(spec, N)
     cb = enumerate_chains(spec.p_array(), d_units, unit, N, [check_thresholds(B, 2, N)], 10**6, kappa=kap, rmax=rmax)
@@ -548,7 +539,7 @@ def test_nearly_decomposable_chain_is_solved_by_the_tight_retry(monkeypatch: pyt
 
 def test_f_states_break_every_cycle() -> None:
     # Solver order is [Y, F]: Y -> Y transitions must go strictly forward in it.
-    from aiorouter.tuning._solver import solver_order
+    from aiorouter.tuning.solve import solver_order
 
     spec, cb, d_units = _chain([[0.5, 0.3, 0.2]] * 3, [3 * MS, 7 * MS, 11 * MS], 4, (1, 1, 1))
     order, nY = solver_order(cb, d_units)
@@ -585,3 +576,37 @@ def test_tuning_package_imports_no_torch_or_engines() -> None:
                 continue
             for m in mods:
                 assert not m.split(".")[0] in {"torch", "engines", "policies", "server"}, (f, m)
+
+
+def test_sorted_state_index_matches_a_dict() -> None:
+    from aiorouter.tuning.statespace import SortedIndex
+
+    rng = np.random.default_rng(5)
+    index, ref = SortedIndex(), {}
+    assert (index.lookup(np.array([3, 9], dtype=np.int64)) == -1).all()
+    for _ in range(20):  # BFS-like levels: look a batch up, insert the new keys (sorted, distinct)
+        keys = rng.integers(0, 5000, 300).astype(np.int64)
+        got = index.lookup(keys)
+        assert got.tolist() == [ref.get(int(k), -1) for k in keys]
+        new = np.unique(keys[got < 0])
+        ids = index.insert_new(new)
+        ref.update({int(k): int(i) for k, i in zip(new, ids)})
+    assert index.size == len(ref) and sorted(ref.values()) == list(range(len(ref)))
+
+
+@pytest.mark.parametrize("kernel", ["gstrs", "splu"])
+def test_unit_lower_solver_solves_with_either_kernel(kernel, monkeypatch) -> None:
+    import scipy.sparse as sp
+
+    import aiorouter.tuning.solve as solver
+
+    if kernel == "splu":  # as when scipy's private triangular kernel is gone or wrong
+        monkeypatch.setattr(solver, "gstrs_kernel", lambda: None)
+    else:
+        assert solver.gstrs_kernel() is not None  # this scipy still has it: the fast path runs
+    n = 400
+    L = (sp.tril(sp.random(n, n, density=0.02, random_state=2), k=-1) * -0.5 + sp.identity(n)).tocsc()
+    L.sort_indices()  # diagonal first in each column (it is the smallest row of a lower column)
+    b = np.random.default_rng(2).random(n)
+    x = solver.UnitLowerSolver(L.data, L.indices, L.indptr).solve(b.copy())
+    assert np.allclose(L @ x, b, rtol=1e-12, atol=1e-12)

@@ -1,4 +1,4 @@
-"""aiorouter.tuning.background: a re-solve runs in a child process at the lowest CPU priority, its
+"""aiorouter.tuning.service: a re-solve runs in a child process at the lowest CPU priority, its
 errors come back, and cancelling ends it at once."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from aiorouter.tuning.background import NICE, BackgroundCancelled, BackgroundSolver
-from aiorouter.tuning.online import TuningCancelled
+from aiorouter.tuning.service import NICE, BackgroundCancelled, BackgroundSolver
+from aiorouter.tuning.learned import TuningCancelled
 
 
 def test_runs_in_a_child_process_at_the_lowest_priority():
@@ -46,7 +46,8 @@ def test_cancel_ends_a_running_solve_and_refuses_later_ones():
 def test_a_tuner_re_solved_in_the_child_equals_one_re_solved_in_this_process():
     import numpy as np
 
-    from aiorouter.tuning import LatencyModel, Tuner, TunerConfig
+    from aiorouter.tuning.inputs import LatencyModel
+    from aiorouter.tuning.tuner import Tuner, TunerConfig
     P, C = [[0.8, 0.2], [0.5, 0.5]], [[1.0, 1.0], [1.0, 1.0]]
     # with a state budget, a re-solve also re-chooses the quantum: the child does both
     cfg = TunerConfig.build(P, C, [LatencyModel(6e-3, 0.1e-3), LatencyModel(28e-3, 0.5e-3)], 4, delta=1e-3,
@@ -65,7 +66,8 @@ def test_a_tuner_re_solved_in_the_child_equals_one_re_solved_in_this_process():
 def test_a_re_solve_whose_quantum_cannot_fit_keeps_the_schedule():
     import numpy as np
 
-    from aiorouter.tuning import LatencyModel, Tuner, TunerConfig
+    from aiorouter.tuning.inputs import LatencyModel
+    from aiorouter.tuning.tuner import Tuner, TunerConfig
     P, C = [[0.5, 0.5], [0.5, 0.5]], [[1.0, 1.0], [1.0, 1.0]]
     lat = [LatencyModel(1e-3, 1e-5), LatencyModel(20e-3, 1e-3)]
     tuner = Tuner(TunerConfig.build(P, C, lat, 16, delta=20e-3, table_states=1000))

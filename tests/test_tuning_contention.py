@@ -9,9 +9,13 @@ import logging
 import numpy as np
 import pytest
 
-from aiorouter.tuning import (Contention, LatencyModel, ModelSpec, SolveCache, Tuner, TunerConfig,
-                              best_thresholds, choose_schedule, routing_drift, simulate, solve_dtmc,
-                              solve_grid, sync_throughput)
+from tuning_tools import simulate
+from aiorouter.tuning.dtmc import solve_dtmc
+from aiorouter.tuning.inputs import Contention, LatencyModel, SystemSpec
+from aiorouter.tuning.learned import routing_drift
+from aiorouter.tuning.schedules import choose_schedule, sync_throughput
+from aiorouter.tuning.search import SolveCache, best_thresholds, solve_grid
+from aiorouter.tuning.tuner import Tuner, TunerConfig
 from test_tuning import R2R_C, R2R_L, R2R_P
 
 MS = 1e-3
@@ -27,9 +31,9 @@ def _flat(M: int, k: float) -> Contention:
 
 
 def test_zero_contention_is_the_old_chain_on_figure_10() -> None:
-    plain = ModelSpec.build(R2R_P, R2R_C, R2R_L)
+    plain = SystemSpec.build(R2R_P, R2R_C, R2R_L)
     zero = Contention.build(2, [(1, 1, 0, 1, 0.0), (0, 1, 1, 1, 0.0)])
-    assert ModelSpec.build(R2R_P, R2R_C, R2R_L, contention=zero).contention is None  # same solve
+    assert SystemSpec.build(R2R_P, R2R_C, R2R_L, contention=zero).contention is None  # same solve
     # ... and forced through the contention code path (charges, one-quantum units, the F test
     # for climbing residuals), the chain is the same: same states, same throughput.
     forced = dataclasses.replace(plain, contention=zero)
@@ -60,7 +64,7 @@ def test_contention_chain_matches_simulator(idx: int) -> None:
     # kappa per ordered pair, varying with both batch sizes on a 2 x 2 grid
     pts = [(i, bi, 1 - i, bj, float(rng.uniform(0.05, 0.6))) for i in (0, 1) for bi in (1, N) for bj in (1, N)]
     con = Contention.build(2, pts)
-    spec = ModelSpec.build(P, C, lat, delta=0.1 * MS, contention=con)
+    spec = SystemSpec.build(P, C, lat, delta=0.1 * MS, contention=con)
     B = (1, int(rng.integers(1, N + 1)))
     model = solve_dtmc(spec, N, B)
     sim = simulate(spec, N, B, events=2000, warmup=200, replications=128, seed=idx)
@@ -74,7 +78,7 @@ def test_contention_chain_matches_simulator(idx: int) -> None:
 
 def test_contention_matches_simulator_three_models() -> None:
     # Three models: pairs are charged one after another, an approximation of the simulator's rates.
-    spec = ModelSpec.build([[0.5, 0.3, 0.2]] * 3, [[1, 1, 1]] * 3, [3 * MS, 7 * MS, 11 * MS], delta=MS,
+    spec = SystemSpec.build([[0.5, 0.3, 0.2]] * 3, [[1, 1, 1]] * 3, [3 * MS, 7 * MS, 11 * MS], delta=MS,
                            contention=_flat(3, 0.2))
     model = solve_dtmc(spec, 3, (1, 1, 2))
     sim = simulate(spec, 3, (1, 1, 2), events=2000, replications=128, seed=4)
@@ -91,7 +95,7 @@ def test_charges_are_exact_in_expectation_at_a_coarse_quantum() -> None:
     sim = None
     errors = []
     for delta in (MS, 0.25 * MS):
-        spec = ModelSpec.build(R2R_P, R2R_C, [2 * MS, 20 * MS], delta=delta, contention=con)
+        spec = SystemSpec.build(R2R_P, R2R_C, [2 * MS, 20 * MS], delta=delta, contention=con)
         model = solve_dtmc(spec, 4, (1, 1))
         sim = sim or simulate(spec, 4, (1, 1), events=3000, replications=128, seed=2)
         errors.append(abs(sim.throughput / model.throughput - 1))
@@ -120,7 +124,7 @@ def test_contention_bad_input(points, msg) -> None:
     with pytest.raises(ValueError, match=msg):
         Contention.build(2, points)
     with pytest.raises(ValueError, match="contention is for 3 models"):
-        ModelSpec.build(R2R_P, R2R_C, R2R_L, contention=_flat(3, 0.1))
+        SystemSpec.build(R2R_P, R2R_C, R2R_L, contention=_flat(3, 0.1))
 
 
 # --------------------------------------------------------------------------
@@ -131,7 +135,7 @@ def test_contention_bad_input(points, msg) -> None:
                                                             (0, 1, 1, 1, 0.6), (0, 1, 1, 8, 0.4)])])
 @pytest.mark.parametrize("N", [1, 3, 8])
 def test_sync_and_eager_predictions_match_simulator(con, N) -> None:
-    spec = ModelSpec.build([[0.6, 0.4], [0.7, 0.3]], [[1, 0], [1, 1]],
+    spec = SystemSpec.build([[0.6, 0.4], [0.7, 0.3]], [[1, 0], [1, 1]],
                            [LatencyModel(2 * MS, 0.1 * MS), LatencyModel(18 * MS, 2 * MS)], delta=0.1 * MS,
                            contention=con)
     sync = sync_throughput(spec, N)
@@ -148,13 +152,13 @@ def test_sync_and_eager_predictions_match_simulator(con, N) -> None:
 def test_sync_closed_form_two_requests() -> None:
     # Two requests that always move together: each round both step on one model. No contention
     # (one model at a time), so T = 2 tokens per (L_0 + L_1) for the ping-pong.
-    spec = ModelSpec.build([[0, 1], [1, 0]], [[0, 1], [1, 0]], [5 * MS, 15 * MS], delta=MS,
+    spec = SystemSpec.build([[0, 1], [1, 0]], [[0, 1], [1, 0]], [5 * MS, 15 * MS], delta=MS,
                            contention=_flat(2, 0.5))
     assert sync_throughput(spec, 2).throughput == pytest.approx(4 / 20e-3, rel=1e-9)
 
 
 def test_choose_schedule_picks_the_best_candidate() -> None:
-    spec = ModelSpec.build(R2R_P, R2R_C, R2R_L)
+    spec = SystemSpec.build(R2R_P, R2R_C, R2R_L)
     row = best_thresholds(spec, 4, cache=SolveCache())
     s = choose_schedule(row, sync_throughput(spec, 4))
     assert s.mode == "delayed" and s.choice == ("delayed", (1, 3)) and s.predicted == row.best_throughput
@@ -188,8 +192,8 @@ def test_contention_moves_the_optimum_towards_sync_or_larger_batches() -> None:
     P, C = [[0.3, 0.7], [0.2, 0.8]], [[1, 0], [1, 1]]
     lat = [LatencyModel(6 * MS, 0.3 * MS), LatencyModel(18 * MS, 1.5 * MS)]
     con = Contention.build(2, [(1, 1, 0, 1, 0.5), (0, 1, 1, 1, 0.5)])
-    free = ModelSpec.build(P, C, lat, delta=0.25 * MS)
-    shared = ModelSpec.build(P, C, lat, delta=0.25 * MS, contention=con)
+    free = SystemSpec.build(P, C, lat, delta=0.25 * MS)
+    shared = SystemSpec.build(P, C, lat, delta=0.25 * MS, contention=con)
     N = 8
     row_free, row_shared = (best_thresholds(s, N, cache=SolveCache()) for s in (free, shared))
     # Every schedule loses throughput to contention, the overlapping ones most.
@@ -244,7 +248,7 @@ def test_tuner_swaps_only_where_the_gain_exceeds_the_noise(caplog: pytest.LogCap
         p = t.propose(counts)
     assert p is not None and p.drift.drifted and "re-solving" in caplog.text
     assert t.schedule(4) == before[4]  # nothing adopted yet
-    new_spec = ModelSpec.build(p.solved.P, R2R_C, R2R_L, 0.3e-3)
+    new_spec = SystemSpec.build(p.solved.P, R2R_C, R2R_L, 0.3e-3)
     for N in range(1, 5):
         row = best_thresholds(new_spec, N, cache=SolveCache())
         old_b = before[N].thresholds
@@ -280,7 +284,7 @@ def test_tuner_rechecks_the_state_budget_on_resolve() -> None:
 def test_tuner_schedules_carry_sync_and_eager() -> None:
     con = Contention.build(2, [(1, 1, 0, 1, 0.5), (0, 1, 1, 1, 0.5)])
     t = Tuner(TunerConfig.build(R2R_P, R2R_C, R2R_L, 4, delta=0.3e-3, contention=con))
-    spec = ModelSpec.build(R2R_P, R2R_C, R2R_L, 0.3e-3, con)
+    spec = SystemSpec.build(R2R_P, R2R_C, R2R_L, 0.3e-3, con)
     for N in range(1, 5):
         s = t.schedule(N)
         assert s.sync == pytest.approx(sync_throughput(spec, N).throughput, rel=1e-12)
@@ -290,11 +294,12 @@ def test_tuner_schedules_carry_sync_and_eager() -> None:
 
 
 def test_choose_delta_budgets_the_contention_chain() -> None:
-    from aiorouter.tuning import choose_delta, threshold_table
+    from aiorouter.tuning.quantum import choose_delta
+    from aiorouter.tuning.search import threshold_table
     lat = [LatencyModel(1.9e-3, 0.1e-3), LatencyModel(19.2e-3, 5.5e-3)]
     con = Contention.build(2, [(1, 1, 0, 1, 0.5), (0, 1, 1, 1, 0.6)])
     choice = choose_delta(R2R_P, lat, 6, table_states=50_000, contention=con)
-    spec = ModelSpec.build(R2R_P, R2R_C, lat, choice.delta, con)
+    spec = SystemSpec.build(R2R_P, R2R_C, lat, choice.delta, con)
     table = threshold_table(spec, 6, cache=SolveCache())
     assert sum(c.num_states for r in table.rows for c in r.candidates) <= 50_000
     # The same budget spent on one row buys a finer quantum.

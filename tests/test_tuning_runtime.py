@@ -9,17 +9,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from aiorouter import Router
+from aiorouter import Router, RouterConfig
 from aiorouter.launch import LaunchControl
 from aiorouter.request import Wake
 from policies.random_policy import RandomPolicy
 
 
 def inbox_wakes(lc: LaunchControl, model: int) -> int:
-    n = 0
-    while not lc.inboxes[model].empty():
-        n += isinstance(lc.inboxes[model].get_nowait(), Wake)
-    return n
+    return sum(isinstance(m, Wake) for m in lc.take(model))
 
 
 def per_n_control() -> LaunchControl:
@@ -123,7 +120,7 @@ def test_router_runs_the_schedule_the_model_picks() -> None:
             return PeerReq(req.rid, req.token_ids[req.seen[req.peer]:] + [req.sampled], loc=req.loc)
 
     async def main():
-        async with Router(models, policy=Symmetric(), tune_concurrency=4, max_concurrency=8) as r:
+        async with Router(models, RouterConfig(policy=Symmetric(), tune_concurrency=4, max_concurrency=8)) as r:
             assert {r.schedule(n) for n in range(1, 9)} == {"delayed"}  # B = 1 until tuned
             await r.wait_tuned()
             tuner = r.tuning.tuner
@@ -155,7 +152,7 @@ def test_drift_resolve_on_sim_engines(policy: RandomPolicy, drifts: bool) -> Non
     models = {"small": {"engine": "sim", "latency_ms": 1.0}, "large": {"engine": "sim", "latency_ms": 6.0}}
 
     async def main():
-        async with Router(models, policy=policy, tune_concurrency=4, max_concurrency=4) as r:
+        async with Router(models, RouterConfig(policy=policy, tune_concurrency=4, max_concurrency=4)) as r:
             await r.wait_tuned()
             svc = r.tuning
             svc.resolve_every = 300
@@ -188,8 +185,8 @@ def test_retune_off_keeps_the_start_up_schedule() -> None:
     models = {"small": {"engine": "sim", "latency_ms": 1.0}, "large": {"engine": "sim", "latency_ms": 6.0}}
 
     async def main():
-        async with Router(models, policy=Misinformed(p=0.5, seed=3), tune_concurrency=4, max_concurrency=4,
-                          retune=False) as r:
+        async with Router(models, RouterConfig(policy=Misinformed(p=0.5, seed=3), tune_concurrency=4, max_concurrency=4,
+                          retune=False)) as r:
             await r.wait_tuned()
             assert r.tuning.resolve_every is None
             before = [r.schedule(n) for n in range(1, 5)], [r.thresholds(n) for n in range(1, 5)]
@@ -201,7 +198,7 @@ def test_retune_off_keeps_the_start_up_schedule() -> None:
 
     asyncio.run(main())
     with pytest.raises(ValueError, match="retune must be True or False"):
-        Router(models, retune="no")
+        Router(models, RouterConfig(retune="no"))
 
 
 def test_router_learns_the_loop_work_per_step() -> None:
@@ -212,7 +209,7 @@ def test_router_learns_the_loop_work_per_step() -> None:
     policy = RandomPolicy(p=0.35, seed=5)
 
     async def main():
-        async with Router(models, policy=policy, tune_concurrency=4, max_concurrency=4) as r:
+        async with Router(models, RouterConfig(policy=policy, tune_concurrency=4, max_concurrency=4)) as r:
             await r.wait_tuned()
             svc = r.tuning
             svc.resolve_every = 300
@@ -258,8 +255,8 @@ def test_contention_is_profiled_at_start_and_cached(tmp_path_factory, monkeypatc
     monkeypatch.setenv("AIOROUTER_CACHE", str(cache))
 
     async def start_once():
-        async with Router({"small": small, "large": large}, policy="random", policy_args={"p": 0.3},
-                          tune_concurrency=2, max_concurrency=4, kv_memory_gb=0.05) as r:
+        async with Router({"small": small, "large": large}, RouterConfig(policy="random", policy_args={"p": 0.3},
+                          tune_concurrency=2, max_concurrency=4, kv_memory_gb=0.05)) as r:
             res = await r.generate([5, 6, 7], max_tokens=4, ignore_eos=True)
             assert len(res.token_ids) == 4
             await r.wait_tuned()

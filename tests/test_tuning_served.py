@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiorouter.tuning import Contention, LatencyModel, StepCost, Tuner, TunerConfig
-from aiorouter.tuning.served import StepSpan, fit_served, overlap_shares
+from aiorouter.tuning.inputs import Contention, LatencyModel, StepCost
+from aiorouter.tuning.tuner import Tuner, TunerConfig
+from aiorouter.tuning.learned import StepSpan, fit_served, overlap_shares
 
 
 def _served(cost: list[StepCost], kappa: list[list[float]], scale: list[float], seconds: float,

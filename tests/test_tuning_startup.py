@@ -9,18 +9,12 @@ import logging
 import numpy as np
 import pytest
 
-from aiorouter.tuning import (
-    LatencyModel,
-    ModelSpec,
-    SolveCache,
-    SolverError,
-    Tuner,
-    TunerConfig,
-    best_thresholds,
-    choose_delta,
-    solve_many,
-    threshold_table,
-)
+from aiorouter.tuning.dtmc import solve_many
+from aiorouter.tuning.inputs import LatencyModel, SystemSpec
+from aiorouter.tuning.quantum import choose_delta
+from aiorouter.tuning.search import SolveCache, best_thresholds, threshold_table
+from aiorouter.tuning.solve import SolverError
+from aiorouter.tuning.tuner import Tuner, TunerConfig
 from aiorouter.tuning.cli import main as cli_main
 from test_tuning import R2R_C, R2R_L, R2R_P
 
@@ -38,7 +32,7 @@ ME3_LAT = [LatencyModel(6e-3), LatencyModel(15e-3), LatencyModel(27.9e-3)]
 def test_chosen_delta_keeps_the_table_under_budget(P, lat, cap, budget) -> None:
     choice = choose_delta(P, lat, cap, table_states=budget)
     M = len(P)
-    spec = ModelSpec.build(P, np.ones((M, M)), lat, choice.delta)
+    spec = SystemSpec.build(P, np.ones((M, M)), lat, choice.delta)
     table = threshold_table(spec, cap, cache=SolveCache())
     states = sum(c.num_states for r in table.rows for c in r.candidates)
     assert states <= budget
@@ -86,7 +80,7 @@ def test_slope_pair_solves_without_error() -> None:
     # did not converge in 50000 sweeps" from N = 10: one GMRES shared by a
     # batch of chains needed ~400 steps, and the power method it fell back
     # to crawls (the censored chain has eigenvalues -0.9994 and 0.9991).
-    spec = ModelSpec.build(R2R_P, R2R_C, BENCH_LAT, 0.15e-3)
+    spec = SystemSpec.build(R2R_P, R2R_C, BENCH_LAT, 0.15e-3)
     res = best_thresholds(spec, 10, cache=SolveCache())
     assert res.best == (1, 8)
     assert res.best_throughput == pytest.approx(324.7088778, rel=1e-7)
@@ -95,9 +89,9 @@ def test_slope_pair_solves_without_error() -> None:
 
 
 def test_one_failing_chain_is_retried_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    import aiorouter.tuning._solver as solver
+    import aiorouter.tuning.solve as solver
 
-    spec = ModelSpec.build(R2R_P, R2R_C, BENCH_LAT, 0.15e-3)
+    spec = SystemSpec.build(R2R_P, R2R_C, BENCH_LAT, 0.15e-3)
     Bs = [(1, 1), (1, 3), (2, 2), (1, 6)]
     ref = solve_many(spec, 7, Bs)
     real, calls = solver.gmres, []

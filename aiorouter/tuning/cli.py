@@ -1,6 +1,6 @@
 """`aiorouter tune`: print B* and every candidate's predicted tokens/s per N.
 
-    aiorouter tune --P "0.65,0.35;1,0" --C "1,0;1,0" --latency-ms 6.0,27.9 \\
+    aiorouter tune --P "0.65,0.35;1,0" --C "1,0;1,0" --latency-ms 6.0,27.9 \
                    --concurrency 1-8 [--delta-ms 0.1|auto] [--latency-slope-ms 0.1,0.5]
 
 An explicit --delta-ms is honoured (a chain over --max-states stops with an
@@ -20,11 +20,9 @@ import time
 from typing import Sequence, TextIO
 
 from .dtmc import DEFAULT_MAX_STATES
-from .latency import LatencyModel
+from .inputs import LatencyModel, SystemSpec
 from .quantum import DEFAULT_TABLE_STATES, choose_delta
 from .search import SolveCache, ThresholdTable, threshold_table
-from .spec import ModelSpec
-
 
 def parse_matrix(text: str, name: str) -> list[list[float]]:
     """'0.65,0.35;1,0' -> [[0.65, 0.35], [1.0, 0.0]] (rows split by ';')."""
@@ -88,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def spec_from_args(args: argparse.Namespace) -> ModelSpec:
+def spec_from_args(args: argparse.Namespace) -> SystemSpec:
     P = parse_matrix(args.P, "P")
     C = parse_matrix(args.C, "C")
     lat_ms = parse_floats(args.latency_ms, "latency-ms")
@@ -107,14 +105,14 @@ def spec_from_args(args: argparse.Namespace) -> ModelSpec:
         choice = choose_delta(P, models, hi, table_states=args.table_states,
                               max_states=args.max_states)
         print(f"aiorouter tune: {choice.describe()}", file=sys.stderr)
-        return ModelSpec.build(P, C, models, choice.delta)
+        return SystemSpec.build(P, C, models, choice.delta)
     try:
         delta_ms = float(args.delta_ms)
     except ValueError:
         raise ValueError(f"--delta-ms: expected a number of ms or 'auto', got {args.delta_ms!r}") from None
     if not delta_ms > 0:
         raise ValueError(f"--delta-ms must be positive, got {args.delta_ms}")
-    return ModelSpec.build(P, C, models, delta_ms / 1e3)
+    return SystemSpec.build(P, C, models, delta_ms / 1e3)
 
 
 def format_table(table: ThresholdTable, top: int = 0) -> str:

@@ -1,38 +1,34 @@
 """Throughput of delayed batching under routing: the DTMC of docs/throughput-model.md.
 
 `solve_dtmc(spec, N, B)` enumerates the reachable states (vectorised BFS in
-`_statespace`), solves the stationary distribution (`_solver`) and reports
+`statespace`), solves the stationary distribution (`solve`) and reports
 throughput plus by-products.  `throughput(P, C, latencies, N, B)` is the
 one-call convenience wrapper that validates raw inputs first.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
+import time
 from typing import Sequence
 
 import numpy as np
 
-from ._solver import stationary_batch
-from ._statespace import BudgetExceeded, ChainBatch, StateLimitError, enumerate_chains
-from .contention import residual_bound
-from .latency import LatencyLike
-from .spec import (
+from .inputs import (
     DEFAULT_DELTA,
-    ModelSpec,
+    LatencyLike,
+    SystemSpec,
     check_concurrency,
     check_thresholds,
     quanta_unit,
+    residual_bound,
 )
+from .solve import stationary_batch
+from .statespace import ChainBatch, enumerate_chains
 
 DEFAULT_MAX_STATES = 2_000_000
 DEFAULT_TOL = 1e-8  # relative residual of the stationary solve (throughput error ~1e-9)
 
-__all__ = [
-    "DTMCResult", "solve_dtmc", "solve_many", "throughput",
-    "DEFAULT_MAX_STATES", "StateLimitError", "BudgetExceeded",
-]
 
 
 @dataclass(frozen=True)
@@ -67,7 +63,7 @@ class DTMCResult:
 
 
 def solve_dtmc(
-    spec: ModelSpec,
+    spec: SystemSpec,
     N: int,
     B: Sequence[int],
     *,
@@ -79,14 +75,13 @@ def solve_dtmc(
 
 
 def solve_many(
-    spec: ModelSpec,
+    spec: SystemSpec,
     N: int,
     Bs: Sequence[Sequence[int]],
     *,
     max_states: int = DEFAULT_MAX_STATES,
     tol: float = DEFAULT_TOL,
     budget: int | None = None,
-    size_hint: int = 1 << 12,
 ) -> list[DTMCResult]:
     """Solve several threshold vectors for one N in a single batch.
 
@@ -99,14 +94,14 @@ def solve_many(
     if isinstance(max_states, bool) or not isinstance(max_states, (int, np.integer)) or max_states < 1:
         raise ValueError(f"max_states must be a positive integer, got {max_states!r}")
     d_units, unit, kappa, rmax = chain_inputs(spec, N)
-    cb = enumerate_chains(spec.p_array(), d_units, unit, N, Bt, int(max_states), budget, size_hint,
+    cb = enumerate_chains(spec.p_array(), d_units, unit, N, Bt, int(max_states), budget,
                           kappa=kappa, rmax=rmax)
     pi, _, classes = stationary_batch(cb, d_units, tol=tol, P=spec.p_array())
     seconds = (time.perf_counter() - t0) / len(Bt)
     return _summarise(spec, N, cb, pi, seconds, classes)
 
 
-def chain_inputs(spec: ModelSpec, N: int) -> tuple[np.ndarray, int, np.ndarray | None, np.ndarray]:
+def chain_inputs(spec: SystemSpec, N: int) -> tuple[np.ndarray, int, np.ndarray | None, np.ndarray]:
     """(step lengths d[i, b] in time units, quanta per unit, contention table, residual bound)."""
     d = spec.quanta_table(N)
     unit = quanta_unit(d, spec.contention is not None)
@@ -115,7 +110,7 @@ def chain_inputs(spec: ModelSpec, N: int) -> tuple[np.ndarray, int, np.ndarray |
 
 
 def _summarise(
-    spec: ModelSpec, N: int, cb: ChainBatch, pi: np.ndarray, seconds: float,
+    spec: SystemSpec, N: int, cb: ChainBatch, pi: np.ndarray, seconds: float,
     classes: np.ndarray,
 ) -> list[DTMCResult]:
     M, nB = spec.M, len(cb.Bs)
@@ -186,5 +181,5 @@ def throughput(
     max_states: int = DEFAULT_MAX_STATES,
 ) -> DTMCResult:
     """Validate raw inputs and solve one (N, B).  Latencies: seconds or LatencyModel."""
-    spec = ModelSpec.build(P, C, latencies, delta)
+    spec = SystemSpec.build(P, C, latencies, delta)
     return solve_dtmc(spec, N, B, max_states=max_states)

@@ -20,28 +20,32 @@ delta (measured: within ~15 % from 4 to 1000 units).  So:
 
 With contention the unit is one quantum (`spec.quanta_unit`) and a model's longest residual is
 d / (1 - its worst loss).  Overlap charges are rounded at random to the quanta on either side
-(`_statespace._charge_overlaps`), exact in expectation, so they add no error term here.
+(`statespace`, charging overlaps), exact in expectation, so they add no error term here.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+import math
 from typing import Sequence
 
 import numpy as np
 
-from ._results import feasible_thresholds
-from ._statespace import BudgetExceeded, StateLimitError, enumerate_chains
-from .contention import Contention
-from .latency import LatencyLike, as_latency_model
 from .dtmc import DEFAULT_MAX_STATES, chain_inputs
-from .spec import ModelSpec, check_concurrency, check_routing_matrix
+from .inputs import (
+    Contention,
+    LatencyLike,
+    SystemSpec,
+    as_latency_model,
+    check_concurrency,
+    check_routing_matrix,
+)
+from .search import feasible_thresholds
+from .statespace import BudgetExceeded, StateLimitError, enumerate_chains
 
 DEFAULT_TABLE_STATES = 6_000_000  # all chains of the table: ~6 s of one core here
 FINEST_QUANTA = 200  # never finer than 1/200 of the fastest step (rounding <= 0.25 %)
 LADDER_STEP = 1.002  # candidate deltas 0.2 % apart
-PROBE_UNITS = 24  # e_{M-1}(D) of the coarse probe, per model pair
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,7 @@ def _evaluate(L: np.ndarray, deltas: np.ndarray, contention: Contention | None =
     return proxy, err_max, err_mean
 
 
-def _count(spec: ModelSpec, N: int, Bs: list[tuple[int, ...]], limit: int) -> np.ndarray | None:
+def _count(spec: SystemSpec, N: int, Bs: list[tuple[int, ...]], limit: int) -> np.ndarray | None:
     """States of each chain (BFS only), or None past `limit` states in all."""
     d_units, unit, kappa, rmax = chain_inputs(spec, N)
     try:
@@ -140,8 +144,8 @@ def choose_delta(
     if contention is not None and contention.is_zero:
         contention = None
 
-    def spec(delta: float) -> ModelSpec:
-        return ModelSpec.build(Pm, np.ones((M, M)), list(latencies), float(delta), contention)
+    def spec(delta: float) -> SystemSpec:
+        return SystemSpec.build(Pm, np.ones((M, M)), list(latencies), float(delta), contention)
 
     deltas = _candidates(L)
     proxy, err_max, err_mean = _evaluate(L, deltas, contention)

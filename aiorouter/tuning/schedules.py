@@ -13,18 +13,17 @@ and moves to the spread sum_i multinomial(n_i, p_i.).
 
 from __future__ import annotations
 
-import itertools
-import time
 from dataclasses import dataclass
+import time
 
 import numpy as np
 import scipy.sparse as sp
 import scipy.sparse.linalg as spl
 
-from ._outcomes import OutcomeTables
-from ._results import SearchResult
-from .contention import MAX_KAPPA
-from .spec import ModelSpec, check_concurrency
+from .inputs import MAX_KAPPA, SystemSpec, check_concurrency
+from .search import SearchResult
+from .solve import Segments, power
+from .statespace import OutcomeTables, compositions
 
 MODES = ("delayed", "eager", "sync")
 # relative: within this the model cannot tell two schedules apart. At N = 1 every schedule runs
@@ -65,11 +64,7 @@ def round_time(work: np.ndarray, batch: np.ndarray, kappa: np.ndarray | None) ->
     return t, busy
 
 
-def _compositions(N: int, M: int) -> list[tuple[int, ...]]:
-    return [c for c in itertools.product(range(N + 1), repeat=M) if sum(c) == N]
-
-
-def sync_throughput(spec: ModelSpec, N: int) -> SyncResult:
+def sync_throughput(spec: SystemSpec, N: int) -> SyncResult:
     """Exact steady-state throughput of step-sync at concurrency N (closed loop).
 
     Step lengths are the chain's (rounded to spec.delta) so that the schedules compare alike.
@@ -77,7 +72,7 @@ def sync_throughput(spec: ModelSpec, N: int) -> SyncResult:
     t0 = time.perf_counter()
     N = check_concurrency(N)
     M = spec.M
-    states = _compositions(N, M)
+    states = compositions(N, M)
     index = {s: k for k, s in enumerate(states)}
     lat = spec.quanta_table(N) * spec.delta  # [i, b] seconds, 0 at b = 0
     kappa = spec.kappa_table(N)
@@ -119,11 +114,8 @@ def _stationary(T_t: sp.csc_matrix, start: int) -> np.ndarray:
         pass
     x = np.zeros(S)
     x[start] = 1.0
-    acc = np.zeros(S)
-    for _ in range(20000):
-        x = 0.5 * (x + T_t @ x)
-        acc += x
-    return acc / acc.sum()
+    pi, _ = power(lambda v: T_t @ v, Segments(np.zeros(S, dtype=np.int64), 1), x, 1e-10, 20000)
+    return pi
 
 
 @dataclass(frozen=True)
@@ -168,7 +160,7 @@ def choose_schedule(row: SearchResult, sync: SyncResult | float, sync_margin: fl
     A B* other than all ones is taken only when it beats the better of eager and sync by more
     than `delayed_margin`: within that, the chain cannot rank them. On the smollm2 pair every
     schedule was predicted within 2 % of the others at N = 4, 8 and 16; at N = 16 the chain's
-    B* = (3, 5), predicted 0.8 % over eager, measured 6 % under it (bench.modes --interleave).
+    B* = (3, 5), predicted 0.8 % over eager, measured 6 % under it (bench.modes).
     """
     if not sync_margin >= 0 or not delayed_margin >= 0:
         raise ValueError(f"sync_margin and delayed_margin must be >= 0, got {sync_margin!r}, {delayed_margin!r}")

@@ -1,30 +1,120 @@
-"""The tuner's lifecycle inside a running router: profile each model (its step latency, and how much
-the models slow each other when they share hardware), solve the schedule per concurrency in the
-background (the router serves with B = 1 meanwhile), feed it the routes actually taken, the
-runtime's own work around each step and the spans of the forwards it served, and re-solve when
-any of them moves away from what the schedule was solved for: the table in a child process at
-the lowest CPU priority (background.py), so that the models keep their cores and the GIL.
-
-It sees models only through profiling callables and hands the schedule to a setter, so it stays
-free of torch and of the router's internals.
+"""The router's tuning service and its background re-solve: a re-solve runs in a child process at
+the lowest CPU priority (`BackgroundSolver`), this module's `__main__` being that child.
 """
+
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
 from collections import deque
-from typing import Awaitable, Callable, Sequence
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Awaitable, Callable, Sequence
 
 import numpy as np
 
-from .background import BackgroundSolver
-from .contention import Contention
-from .latency import LatencyModel, fit_latency, fit_samples
-from .online import TuningCancelled
+from .inputs import Contention, LatencyModel, fit_latency, fit_samples
+from .learned import MIN_SPANS, ServedFit, StepSpan, TuningCancelled, fit_served
 from .quantum import DEFAULT_TABLE_STATES, choose_delta
-from .served import MIN_SPANS, ServedFit, StepSpan, fit_served
 from .tuner import Tuner, TunerConfig
+
+# -------------------- background --------------------
+# Re-solves while serving, run in a child process at the lowest CPU priority.
+#
+# Why: a re-solve of the threshold table is seconds of CPU (cpu-tiny, N = 1..16: ~15 s). Run in a
+# thread of the serving process it took those seconds from the models on a CPU host, and held the
+# GIL against the event loop and the models' workers on any host: the cpu-tiny pair at N = 16
+# (delayed, thresholds "auto", 32 requests) served 158-171 tok/s with the re-solve running
+# against 182-206 with the same thresholds fixed and none.
+#
+# The child runs under SCHED_IDLE where Linux offers it (nice 19 elsewhere): a model's thread that
+# wakes takes its core back at once, where at nice 19 the scheduler still gives the child a slice.
+# The child is a fresh interpreter that imports only `aiorouter.tuning` (0.6 s), started with
+# `python -m`: a multiprocessing "spawn" child also re-imports the parent's main script and, with
+# it, torch and the router (2.5 s more of CPU, and the whole script for one without a main guard).
+# A re-solve's request and answer are pickled through its stdin and stdout. One child per re-solve,
+# so a cancelled one, or the router that closes, ends it at once (`cancel`) and nothing of it
+# outlives the router.
+
+NICE = 19  # the lowest niceness, for platforms without SCHED_IDLE (and set under it too)
+
+
+def lowest_priority() -> str:
+    """Put this process at the lowest CPU priority the platform offers -> which one it got."""
+    got = "normal"
+    try:
+        os.nice(NICE)
+        got = "nice 19"
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        got = "SCHED_IDLE"
+    except (AttributeError, OSError):
+        pass
+    return got
+
+
+class BackgroundCancelled(TuningCancelled):
+    """The solve's process was ended by `cancel` (the router closed) before it answered."""
+
+
+class BackgroundSolver:
+    """`run(fn, *args)` in a fresh child process at the lowest priority, blocking the calling thread
+    (not the event loop: call it from a worker thread) until the child answers. `fn` and `args` must
+    be picklable (a module-level function and plain data); the child raises nothing into the parent
+    but what `fn` raised, re-raised here."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._cancelled = False
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        request = pickle.dumps((fn, args))
+        with self._lock:
+            if self._cancelled:
+                raise BackgroundCancelled("the background solver was cancelled")
+            proc = self._proc = subprocess.Popen([sys.executable, "-m", "aiorouter.tuning.service"],
+                                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            answer, _ = proc.communicate(request)
+        finally:
+            with self._lock:
+                self._proc = None
+        if self._cancelled:
+            raise BackgroundCancelled("the background solve was cancelled")
+        try:
+            ok, value = pickle.loads(answer)
+        except Exception:
+            raise RuntimeError(f"the background solve's process died (exit code {proc.returncode})") from None
+        if not ok:
+            raise value
+        return value
+
+    def cancel(self) -> None:
+        """End the running solve (if any) and refuse later ones."""
+        with self._lock:
+            self._cancelled = True
+            proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
+
+# -------------------- service --------------------
+# The tuner's lifecycle inside a running router: profile each model (its step latency, and how much
+# the models slow each other when they share hardware), solve the schedule per concurrency in the
+# background (the router serves with B = 1 meanwhile), feed it the routes actually taken, the
+# runtime's own work around each step and the spans of the forwards it served, and re-solve when
+# any of them moves away from what the schedule was solved for: the table in a child process at
+# the lowest CPU priority (`BackgroundSolver`), so that the models keep their cores and the GIL.
+#
+# It sees models only through profiling callables and hands the schedule to a setter, so it stays
+# free of torch and of the router's internals.
 
 log = logging.getLogger("aiorouter")
 
@@ -62,7 +152,7 @@ class TuningService:
         self._task: asyncio.Task | None = None
         self._resolving: asyncio.Task | None = None
         self._decisions = 0
-        # re-solves run in a child process at the lowest priority, not in this one (background.py)
+        # re-solves run in a child process at the lowest priority, not in this one (`BackgroundSolver`)
         self._background = BackgroundSolver()
         # per model: (batch size, seconds of the event loop's work around that step)
         self._steps: list[deque[tuple[int, float]]] = [deque(maxlen=STEP_SAMPLES) for _ in self.names]
@@ -185,7 +275,7 @@ class TuningService:
 
     def served(self) -> ServedFit | None:
         """The profiled step costs scaled, and kappa refitted, on the recent served forwards
-        (`aiorouter.tuning.served`); None until every model has MIN_SPANS of them."""
+        (`aiorouter.tuning.learned`); None until every model has MIN_SPANS of them."""
         if self.tuner is None or any(len(d) < MIN_SPANS for d in self._spans):
             return None
         return fit_served([list(d) for d in self._spans], self.tuner.config.latency, fixed=self._mean_hops(),
@@ -241,3 +331,28 @@ class TuningService:
             if t is not None:
                 t.cancel()
         await asyncio.gather(*(t for t in (self._task, self._resolving) if t is not None), return_exceptions=True)
+
+
+# -------------------- the background re-solve's process --------------------
+
+
+def child_main() -> None:
+    """The background re-solve's process: reads a pickled (fn, args) on stdin, writes the pickled
+    (True, fn(*args)) or (False, the exception) on stdout."""
+    lowest_priority()
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    sys.stdout = sys.stderr  # anything the solve prints must not mix with the answer
+    try:
+        fn, args = pickle.load(sys.stdin.buffer)
+        answer = (True, fn(*args))
+    except BaseException as e:  # everything goes back to the parent, which raises it there
+        answer = (False, e)
+    try:
+        out.write(pickle.dumps(answer))
+    except Exception as e:  # (an unpicklable answer or exception)
+        out.write(pickle.dumps((False, RuntimeError(f"the background solve's answer could not be pickled: {e!r}"))))
+    out.close()
+
+
+if __name__ == "__main__":
+    child_main()

@@ -3,10 +3,10 @@
 It solves the threshold table (every feasible B, every N up to the cap) with the contention the
 models were measured to have, predicts step-sync beside it, and names per N the best of delayed
 (B*), eager and sync (`schedules.choose_schedule`).  When the routing drifts from the P it was
-solved for (`drift.routing_drift`), or the runtime's own work per step (`step_cost`: the event
+solved for (`learned.routing_drift`), or the runtime's own work per step (`step_cost`: the event
 loop's scheduling, routing and commits around each step, measured while serving) moves a model's
 step time by more than `cost_margin`, or the served forwards (`served`: each model's step cost
-scaled, and kappa refitted, from the spans it served; `served.py`) move a step time by more than
+scaled, and kappa refitted, from the spans it served; `learned.fit_served`) move a step time by more than
 `cost_margin` or a kappa by more than `contention_margin`, `propose` solves again for what it observed
 (re-choosing the quantum from the state budget when configured) and keeps, per N, the current
 choice unless the new one is predicted to beat it, under the new inputs, by more than `min_gain`.
@@ -16,26 +16,22 @@ These are plain calls; when to make them (in a background thread, how often) is 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
 
-from ._blocks import SolverError
-from ._statespace import StateLimitError
-from .contention import Contention
-from .drift import RoutingDrift, routing_drift
 from .dtmc import DEFAULT_MAX_STATES
-from .latency import LatencyLike, LatencyModel
-from .online import RoutingEstimator, TuningCancelled
+from .inputs import Contention, DEFAULT_DELTA, LatencyLike, LatencyModel, SystemSpec, check_concurrency
+from .learned import RoutingDrift, RoutingEstimator, ServedFit, TuningCancelled, routing_drift
 from .quantum import choose_delta
 from .schedules import DELAYED_MARGIN, Schedule, SyncResult, choose_schedule, sync_throughput
 from .search import SearchResult, SolveCache, ThresholdTable, threshold_table
-from .served import ServedFit
-from .spec import DEFAULT_DELTA, ModelSpec, check_concurrency
+from .solve import SolverError
+from .statespace import StateLimitError
 
 log = logging.getLogger("aiorouter.tuning")
 
@@ -65,13 +61,13 @@ class TunerConfig:
     delayed_margin: float = DELAYED_MARGIN  # ... and delayed B* (not all ones) the better of eager and sync
     # A step cost that moves a model's L(1) or L(cap) by more than this share calls for a re-solve
     cost_margin: float = 0.02
-    # ... and a kappa that moves by more than this (kappa from served steps; served.py)
+    # ... and a kappa that moves by more than this (kappa from served steps; learned.fit_served)
     contention_margin: float = 0.05
 
     @classmethod
     def build(cls, P: object, C: object, latency: Sequence[LatencyLike], max_concurrency: int,
               **kw: object) -> "TunerConfig":
-        spec = ModelSpec.build(P, C, list(latency), kw.pop("delta", DEFAULT_DELTA),  # type: ignore[arg-type]
+        spec = SystemSpec.build(P, C, list(latency), kw.pop("delta", DEFAULT_DELTA),  # type: ignore[arg-type]
                                kw.pop("contention", None))  # type: ignore[arg-type]
         for name in ("min_gain", "sync_margin", "delayed_margin", "drift_margin", "drift_z", "cost_margin", "contention_margin"):
             if name in kw and not float(kw[name]) >= 0:  # type: ignore[arg-type]
@@ -112,7 +108,7 @@ class Proposal:
 Runner = Callable[..., list]  # runner(fn, *args) -> fn(*args), run wherever it runs
 
 
-def solve_rows(spec: ModelSpec, max_concurrency: int, max_states: int, workers: int,
+def solve_rows(spec: SystemSpec, max_concurrency: int, max_states: int, workers: int,
                cache: SolveCache | None = None, should_stop: Callable[[], bool] | None = None
                ) -> list[tuple[SearchResult, SyncResult, str | None]]:
     """Per N = 1..max_concurrency: (its threshold search, step-sync's throughput, why the search
@@ -149,7 +145,7 @@ def requantized_rows(P: np.ndarray, C: np.ndarray, latency: Sequence[LatencyMode
                              contention=contention).delta
     except ValueError as e:
         raise NoQuantumFits(str(e)) from e
-    spec = ModelSpec.build(P, C, list(latency), delta, contention)
+    spec = SystemSpec.build(P, C, list(latency), delta, contention)
     return delta, solve_rows(spec, max_concurrency, max_states, workers)
 
 
@@ -207,8 +203,8 @@ class Tuner:
         return self._solved.contention
 
     def spec(self, P: np.ndarray, C: np.ndarray, delta: float, latency: Sequence[LatencyModel] | None = None,
-             contention: Contention | None = None) -> ModelSpec:
-        return ModelSpec.build(P, C, list(latency or self.config.latency), delta,
+             contention: Contention | None = None) -> SystemSpec:
+        return SystemSpec.build(P, C, list(latency or self.config.latency), delta,
                                self.config.contention if contention is None else contention)
 
     def solve(self, P: np.ndarray, C: np.ndarray, delta: float | None, why: str,
@@ -218,7 +214,7 @@ class Tuner:
         or None to choose the one that fits the table's state budget (`requantized_rows`; raises
         NoQuantumFits). `latency` and `contention`: the step times and contention to solve with
         (default: the profiled ones). `runner`: where the work is done, as runner(fn, *args) (a
-        re-solve while serving: `background.BackgroundSolver.run`, a child process); None: here."""
+        re-solve while serving: `service.BackgroundSolver.run`, a child process); None: here."""
         cfg = self.config
         latency = list(latency or cfg.latency)
         contention = cfg.contention if contention is None else contention

@@ -3,7 +3,7 @@ wrapper for decodes, one workspace per model, `plan` once per step and kind of l
 its window, scale and softcap go to flashinfer's plan as window_left, sm_scale, logits_soft_cap).
 
 Not exercised on the CPU machines this project is developed on: it runs only where a GPU is
-lent (bench/gpu_check.py); `select_backend` never picks it for a CPU device. It is not
+lent (bench/gpu/check.py); `select_backend` never picks it for a CPU device. It is not
 graph-safe (its wrappers plan into their own buffers), so the runner replays small steps with
 the Triton backend's graphs instead; both read the same pool.
 """

@@ -5,7 +5,7 @@ shape, so a CUDA graph captured with one step's metadata replays with another's 
 (engines/cuda_graph.py). A padded row has kv_len 0 and slot -1: it reads and writes nothing.
 
 Ran here only on CPU tensors under the Triton interpreter (tests/test_triton_kernels.py checks it
-against TorchBackend); bench/gpu_check.py is where it first runs compiled on a GPU.
+against TorchBackend); bench/gpu/check.py is where it first runs compiled on a GPU.
 """
 from __future__ import annotations
 
