@@ -35,7 +35,9 @@ def default_models() -> dict[str, ModelSpec]:
     return {"small": ModelSpec(path=large, quantization=DEFAULT_SMALL_QUANTIZATION), "large": ModelSpec(path=large)}
 
 
-def default_router(config: RouterConfig | None = None) -> Router:
-    """A `Router` over `default_models()`; `config` None: the policy the pair is tuned for
-    (`DEFAULT_POLICY` with `DEFAULT_POLICY_ARGS`) and the other settings' defaults."""
-    return Router(default_models(), config or RouterConfig(policy=DEFAULT_POLICY, policy_args=dict(DEFAULT_POLICY_ARGS)))
+def default_router(**settings: Any) -> Router:
+    """A `Router` over `default_models()` with the policy the pair is tuned for (`DEFAULT_POLICY`
+    with `DEFAULT_POLICY_ARGS`); `settings`: any other RouterConfig field (mode, max_concurrency,
+    ...), or policy and policy_args to route it otherwise."""
+    return Router(default_models(), RouterConfig(**{"policy": DEFAULT_POLICY,
+                                                    "policy_args": dict(DEFAULT_POLICY_ARGS), **settings}))

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import torch
 
@@ -112,26 +112,25 @@ class FaultPlan:
         that raises commits nothing (the engine's `finish` does not run), so its K/V are rewritten
         alike when it runs again. "nan"/"inf" write into the row's logits [B, rows] and mark the row
         bad, as the runner does for logits that broke by themselves."""
-        bad = list(out.bad_rows)
+        bad = set(out.bad_rows)
         for row, seq in enumerate(out.seqs):
             kind = self.kind_of(seq.token_ids, seq.num_prompt_tokens)
             if kind == "step":
                 raise InjectedFault("injected step fault: the model step raised (test-only fault plan)")
             if kind == "kill":
                 raise SubserverKilled("injected kill: this model's subserver dies (test-only fault plan)")
+            if kind == "nan":
+                out.logits[row] = float("nan")
+            elif kind == "inf":
+                out.logits[row, seq.token_ids[-1] % out.logits.shape[-1]] = float("inf")
             if kind in ("nan", "inf"):
-                if kind == "nan":
-                    out.logits[row] = float("nan")
-                else:
-                    out.logits[row, seq.token_ids[-1] % out.logits.shape[-1]] = float("inf")
-                if row not in bad:
-                    bad.append(row)
-        return out._replace(bad_rows=tuple(sorted(bad))) if len(bad) != len(out.bad_rows) else out
+                bad.add(row)
+        return out._replace(bad_rows=tuple(sorted(bad)))
 
     def wrap_policy(self, policy: Policy) -> Policy:
         """`policy` as the runtime calls it under this plan: route, send and receive raise for a
         request marked for them; everything else is the policy's own."""
-        return FaultyPolicy(policy, self)
+        return cast(Policy, FaultyPolicy(policy, self))  # duck-typed: it answers as `policy` does
 
     def check(self, stage: str, reqs: Sequence[ReqView]) -> None:
         """Raise in `stage` when one of `reqs` is marked for it."""
@@ -140,51 +139,16 @@ class FaultPlan:
                 raise InjectedFault(f"injected {stage} fault for request {r.rid} (test-only fault plan)")
 
 
-class FaultyPolicy(Policy):
-    """A policy that meets a plan's faults first (`FaultPlan.wrap_policy`). Every attribute it
-    does not define is the wrapped policy's, read live, so the runtime sees that policy's flags,
-    state and template."""
+class FaultyPolicy:
+    """A policy that meets a plan's faults first (`FaultPlan.wrap_policy`). Not a Policy subclass on
+    purpose: the base class's defaults would shadow the wrapped policy's own methods and flags, so
+    every attribute but route, send and receive is the wrapped policy's, read live."""
 
     def __init__(self, inner: Policy, plan: FaultPlan):
         self.inner, self.plan = inner, plan
 
     def __getattr__(self, name: str) -> Any:  # only for what this class does not define
         return getattr(self.inner, name)
-
-    # the class-level flags the runtime reads, the wrapped policy's own
-    name = property(lambda self: self.inner.name)  # type: ignore[assignment]
-    num_models = property(lambda self: self.inner.num_models)  # type: ignore[assignment]
-    needs_hidden = property(lambda self: self.inner.needs_hidden)  # type: ignore[assignment]
-    reads_logits = property(lambda self: self.inner.reads_logits)  # type: ignore[assignment]
-    commit_on_send = property(lambda self: self.inner.commit_on_send)  # type: ignore[assignment]
-    route_in_worker = property(lambda self: self.inner.route_in_worker)  # type: ignore[assignment]
-    per_request = property(lambda self: self.inner.per_request)  # type: ignore[assignment]
-
-    @property
-    def admits(self) -> bool:
-        return self.inner.admits
-
-    @property
-    def M(self) -> int:
-        return self.inner.M
-
-    def bind(self, model_names: Sequence[str]) -> None:
-        self.inner.bind(model_names)
-
-    def setup(self, models) -> None:
-        self.inner.setup(models)
-
-    def extra_rows(self, model: int) -> int:
-        return self.inner.extra_rows(model)
-
-    def admit(self, rid: str, prompt_ids: list[int], text: str | None) -> int | None:
-        return self.inner.admit(rid, prompt_ids, text)
-
-    def peers(self, model: int) -> list[int]:
-        return self.inner.peers(model)
-
-    def routing_template(self):
-        return self.inner.routing_template()
 
     def route(self, result: StepResult):
         self.plan.check("route", result.reqs)

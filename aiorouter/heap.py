@@ -40,11 +40,6 @@ class FrozenHeap:
             gc.unfreeze()
 
 
-def hold() -> FrozenHeap:
-    """Freeze the heap now (unless it is frozen already) -> the claim to release."""
-    return FrozenHeap.hold()
-
-
 @contextlib.contextmanager
 def frozen() -> Iterator[FrozenHeap]:
     claim = FrozenHeap.hold()

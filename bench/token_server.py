@@ -148,7 +148,7 @@ async def serve(args: argparse.Namespace) -> None:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", args.port).start()
-    heap.hold()  # as a router does once started: start-up objects out of the cyclic GC (aiorouter/heap.py)
+    heap.FrozenHeap.hold()  # as a router does once started: start-up objects out of the cyclic GC (aiorouter/heap.py)
     logging.getLogger("bench.token_server").info("%s ready on port %d", args.name, args.port)
     try:
         await asyncio.Event().wait()
