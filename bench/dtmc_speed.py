@@ -310,7 +310,7 @@ def markdown(result: dict) -> str:
                 f"{tuple(row['best_B'])} | {row['best_tokens_per_s']:.1f} | {row['seconds']:.2f} |")
     if result.get("startup"):
         out += ["", "### Router start-up solve (delta from the state budget, 1 core)", "",
-                "`quantum.choose_delta` then the table N = 1..cap, as `Router(thresholds=\"auto\")` "
+                "`dtmc.choose_delta` then the table N = 1..cap, as `Router(thresholds=\"auto\")` "
                 "runs it in the background.  Latency L(b) = a + c*b.", "",
                 "| case | a, c per model (ms) | cap | delta ms | rounding max / mean | states est. / "
                 "actual | choose s | wall s | CPU s | load | B* at cap | target | met? |",
@@ -357,7 +357,7 @@ NOTES = [
     "stopping tests (only operator applications are shared); a chain that still fails is retried "
     "alone with a long restart, then by the power method for that chain only; the router keeps "
     "N - 1's B* when one N fails.",
-    "- **delta from a state budget** (`quantum.choose_delta`, default 6M states for the whole "
+    "- **delta from a state budget** (`dtmc.choose_delta`, default 6M states for the whole "
     "table): a chain's states are ~kappa * e_{M-1}(longest step of each model, in units of the "
     "gcd of all steps), kappa independent of delta within ~15 %; BFS-only probes calibrate kappa "
     "and the table/largest-chain ratio, and the most accurate candidate delta (smallest rounding "

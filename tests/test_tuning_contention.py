@@ -294,7 +294,7 @@ def test_tuner_schedules_carry_sync_and_eager() -> None:
 
 
 def test_choose_delta_budgets_the_contention_chain() -> None:
-    from aiorouter.tuning.quantum import choose_delta
+    from aiorouter.tuning.dtmc import choose_delta
     from aiorouter.tuning.search import threshold_table
     lat = [LatencyModel(1.9e-3, 0.1e-3), LatencyModel(19.2e-3, 5.5e-3)]
     con = Contention.build(2, [(1, 1, 0, 1, 0.5), (0, 1, 1, 1, 0.6)])

@@ -11,7 +11,7 @@ import pytest
 
 from aiorouter.tuning.dtmc import solve_many
 from aiorouter.tuning.inputs import LatencyModel, SystemSpec
-from aiorouter.tuning.quantum import choose_delta
+from aiorouter.tuning.dtmc import choose_delta
 from aiorouter.tuning.search import SolveCache, best_thresholds, threshold_table
 from aiorouter.tuning.solve import SolverError
 from aiorouter.tuning.tuner import Tuner, TunerConfig

@@ -9,7 +9,7 @@ The package exports what callers outside it use; the rest is reached through its
 """
 
 from .inputs import Contention, LatencyModel, StepCost, SystemSpec, fit_step_cost
-from .quantum import choose_delta
+from .dtmc import choose_delta
 from .schedules import DELAYED_MARGIN, choose_schedule, sync_throughput
 from .search import SolveCache, best_thresholds, solve_grid, threshold_table
 

@@ -5,7 +5,7 @@
 
 An explicit --delta-ms is honoured (a chain over --max-states stops with an
 error that names the limit); `auto` picks delta from a state budget as the
-router does at start-up (`quantum.choose_delta`).
+router does at start-up (`dtmc.choose_delta`).
 
 `main(argv)` takes the arguments after `tune` (server/cli.py delegates to it);
 also runnable as `python -m aiorouter.tuning.cli ...`.  Exit status 0 on
@@ -19,9 +19,8 @@ import sys
 import time
 from typing import Sequence, TextIO
 
-from .dtmc import DEFAULT_MAX_STATES
+from .dtmc import DEFAULT_MAX_STATES, DEFAULT_TABLE_STATES, choose_delta
 from .inputs import LatencyModel, SystemSpec
-from .quantum import DEFAULT_TABLE_STATES, choose_delta
 from .search import SolveCache, ThresholdTable, threshold_table
 
 def parse_matrix(text: str, name: str) -> list[list[float]]:

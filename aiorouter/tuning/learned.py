@@ -142,6 +142,7 @@ class RoutingDrift:
     moved: float  # |observed - reference| at that entry
     z_score: float  # moved / its standard error
     decisions: int  # decisions in the tested rows
+    row_decisions: tuple[int, ...]  # decisions per row (the sample size behind each observed row)
 
 
 def observed_routing(counts: object, reference_P: object, min_row: int = 50) -> np.ndarray:
@@ -180,7 +181,8 @@ def routing_drift(reference_P: object, counts: object, *, margin: float = 0.05, 
             if zs > best[0] or best[1] is None:
                 best = (zs, (int(i), int(j)), moved)
             drifted |= moved > margin and zs > z
-    return RoutingDrift(bool(drifted), obs, best[1], float(best[2]), float(best[0]), int(n[tested].sum()))
+    return RoutingDrift(bool(drifted), obs, best[1], float(best[2]), float(best[0]), int(n[tested].sum()),
+                        tuple(int(x) for x in n))
 
 
 # -------------------- served --------------------

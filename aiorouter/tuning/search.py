@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Iterable, Sequence
 
-from .dtmc import DEFAULT_MAX_STATES, DTMCResult, solve_many
+from .dtmc import DEFAULT_MAX_STATES, DTMCResult, feasible_thresholds, solve_many
 from .inputs import SystemSpec, check_concurrency
 from .statespace import BudgetExceeded
 
@@ -84,23 +84,7 @@ def rounded_spec(spec: SystemSpec) -> SystemSpec:
 
 
 # -------------------- results and the feasible set --------------------
-# Result types of the threshold search, and the feasible set it covers.
-
-
-def feasible_thresholds(M: int, N: int) -> list[tuple[int, ...]]:
-    """All B in {1..N}^M with sum_i (B_i - 1) < N (no deadlock), lexicographic."""
-    N = check_concurrency(N)
-    out: list[tuple[int, ...]] = []
-
-    def rec(prefix: tuple[int, ...], slack: int) -> None:
-        if len(prefix) == M:
-            out.append(prefix)
-            return
-        for extra in range(slack + 1):  # extra = B_i - 1
-            rec(prefix + (extra + 1,), slack - extra)
-
-    rec((), N - 1)
-    return out
+# Result types of the threshold search (the feasible set it covers: dtmc.feasible_thresholds).
 
 
 @dataclass(frozen=True)

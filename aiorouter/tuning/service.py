@@ -19,7 +19,7 @@ import numpy as np
 
 from .inputs import Contention, LatencyModel, fit_latency, fit_samples
 from .learned import MIN_SPANS, ServedFit, StepSpan, TuningCancelled, fit_served
-from .quantum import DEFAULT_TABLE_STATES, choose_delta
+from .dtmc import DEFAULT_TABLE_STATES, choose_delta
 from .tuner import Tuner, TunerConfig
 
 # -------------------- background --------------------

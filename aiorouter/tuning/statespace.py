@@ -285,36 +285,46 @@ class ChainBatch:
 
 
 class SortedIndex:
-    """Dense ids 0, 1, 2, ... of packed state keys in insertion order: `np.searchsorted` over the
-    keys seen so far, kept sorted (each BFS level merges its new keys in with `np.insert`).
+    """Dense ids 0, 1, 2, ... of packed state keys in insertion order, looked up with
+    `np.searchsorted` in a few sorted runs whose sizes at least double from newest to oldest (a
+    log-structured merge: a BFS level's new keys become a run, and two runs merge in one linear
+    pass once the older is not twice the newer), so that a level costs O(its keys * log) and
+    not the O(states) of merging into one sorted array each level.
 
-    Replaced a hand-written open-addressing int64 hash map; the router's start-up solves took the
-    same time with either (2-core AMD EPYC AVX2, 2026-12-04, CPU seconds of choose_delta plus the
-    table, two runs): the paper pair (M = 2, N <= 16) 4.72 / 4.48 s sorted vs 4.73 / 4.75 s hashed,
-    the 3-model case (N <= 8) 10.0 / 11.2 s vs 9.7 / 8.5 s.
+    Replaced a hand-written open-addressing int64 hash map (issue 39). With one sorted array the
+    3-model search (N <= 8, `bench/dtmc_speed.py` m3_me, 1 worker) was 1.2x slower than with the
+    hash map, half of its BFS in `np.insert`; with the runs, and each level's keys made unique and
+    sorted before the lookup, it is no slower (figures in bench/RESULTS.md, "solve speed").
     """
 
     def __init__(self) -> None:
-        self.keys = np.zeros(0, dtype=np.int64)
-        self.ids = np.zeros(0, dtype=np.int64)
+        self.runs: list[tuple[np.ndarray, np.ndarray]] = []  # (sorted keys, their ids), oldest first
         self.size = 0
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
-        """Ids of `keys`, -1 where absent."""
-        if not self.size:
-            return np.full(keys.shape[0], -1, dtype=np.int64)
-        at = np.searchsorted(self.keys, keys)
-        at[at == self.size] = 0
-        return np.where(self.keys[at] == keys, self.ids[at], -1)
+        """Ids of `keys` (sorted: `np.searchsorted` then walks them in order), -1 where absent."""
+        out = np.full(keys.shape[0], -1, dtype=np.int64)
+        for rk, ri in self.runs:
+            at = np.searchsorted(rk, keys)
+            np.minimum(at, rk.shape[0] - 1, out=at)
+            hit = rk[at] == keys
+            out[hit] = ri[at[hit]]
+        return out
 
     def insert_new(self, keys: np.ndarray) -> np.ndarray:
-        """Insert distinct keys known to be absent, sorted (as np.unique returns them); return their
+        """Insert distinct sorted keys known to be absent (as np.unique returns them); return their
         new ids."""
         ids = np.arange(self.size, self.size + keys.shape[0], dtype=np.int64)
-        at = np.searchsorted(self.keys, keys)
-        self.keys = np.insert(self.keys, at, keys)
-        self.ids = np.insert(self.ids, at, ids)
         self.size += keys.shape[0]
+        self.runs.append((keys, ids))
+        while len(self.runs) > 1 and self.runs[-2][0].shape[0] < 2 * self.runs[-1][0].shape[0]:
+            (ak, ai), (bk, bi) = self.runs[-2], self.runs.pop()
+            pos = np.searchsorted(ak, bk) + np.arange(bk.shape[0])  # b's places in the merged run
+            mk, mi = np.empty(ak.shape[0] + bk.shape[0], np.int64), np.empty(ak.shape[0] + bk.shape[0], np.int64)
+            rest = np.ones(mk.shape[0], bool)
+            rest[pos] = False
+            mk[pos], mi[pos], mk[rest], mi[rest] = bk, bi, ak, ai
+            self.runs[-1] = (mk, mi)
         return ids
 
 
@@ -355,8 +365,8 @@ def enumerate_chains(
     keys0 = chains * space + steps[0][chains * width + N]
     for j in range(1, M):
         keys0 += steps[j][chains * width]
-    hmap = SortedIndex()
-    hmap.insert_new(keys0)
+    index = SortedIndex()
+    index.insert_new(keys0)
     cid, K, Bt, R = enc.decode(keys0)
     per_chain = np.ones(nB, dtype=np.int64)
 
@@ -395,10 +405,12 @@ def enumerate_chains(
         for i in range(M):
             for f, arr in (("K", K), ("Bt", Bt), ("R", R), ("done", done)):
                 lv[f"{f}{i}"].append(arr[i])
-        ids = hmap.lookup(keys)
-        new = np.flatnonzero(ids < 0)
+        # Many transitions share a target: look each distinct key up once, in sorted order.
+        uk, inv = np.unique(keys, return_inverse=True)
+        uids = index.lookup(uk)
+        new = np.flatnonzero(uids < 0)
         if new.size:
-            nk, inv_new = np.unique(keys[new], return_inverse=True)
+            nk = uk[new]
             ncid, nK, nBt, nR = enc.decode(nk)  # the next frontier, once the limits pass
             per_chain += np.bincount(ncid, minlength=nB)
             worst = int(per_chain.argmax())
@@ -408,16 +420,16 @@ def enumerate_chains(
                     f"B = {tuple(Bs[worst])}; use a coarser delta (fewer quanta per step) "
                     "or raise max_states"
                 )
-            if budget is not None and nB > 1 and hmap.size + nk.size > budget:
+            if budget is not None and nB > 1 and index.size + nk.size > budget:
                 raise BudgetExceeded()
-            ids[new] = hmap.insert_new(nk)[inv_new]
+            uids[new] = index.insert_new(nk)
             cid, K, Bt, R = ncid, nK, nBt, nR
         else:
             cid = cid[:0]
-        lv["dst"].append(ids.astype(np.int32))
+        lv["dst"].append(uids[inv].astype(np.int32))
         lv["prob"].append(prob)
 
-    n = hmap.size
+    n = index.size
     # Self-ids with probability -1 after the transitions: the solver builds
     # I - T with its unit diagonal from them without another copy.
     lv["dst"].append(np.arange(n, dtype=np.int32))

@@ -24,10 +24,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .dtmc import DEFAULT_MAX_STATES
+from .dtmc import DEFAULT_MAX_STATES, choose_delta
 from .inputs import Contention, DEFAULT_DELTA, LatencyLike, LatencyModel, SystemSpec, check_concurrency
 from .learned import RoutingDrift, RoutingEstimator, ServedFit, TuningCancelled, routing_drift
-from .quantum import choose_delta
 from .schedules import DELAYED_MARGIN, Schedule, SyncResult, choose_schedule, sync_throughput
 from .search import SearchResult, SolveCache, ThresholdTable, threshold_table
 from .solve import SolverError
