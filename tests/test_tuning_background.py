@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from aiorouter.tuning.service import NICE, BackgroundCancelled, BackgroundSolver
+from aiorouter.tuning.search import NICE, ChildCancelled, ChildProcess
+from aiorouter.tuning.service import BackgroundSolver
 from aiorouter.tuning.learned import TuningCancelled
 
 
@@ -36,7 +37,7 @@ def test_cancel_ends_a_running_solve_and_refuses_later_ones():
     solver = BackgroundSolver()
     threading.Timer(1.0, solver.cancel).start()
     t0 = time.perf_counter()
-    with pytest.raises(BackgroundCancelled):
+    with pytest.raises(ChildCancelled):
         solver.run(time.sleep, 60)
     assert time.perf_counter() - t0 < 30  # ended, not slept out
     with pytest.raises(TuningCancelled):  # (the router's tuner treats it as a cancelled solve)
@@ -77,3 +78,17 @@ def test_a_re_solve_whose_quantum_cannot_fit_keeps_the_schedule():
     slow = [LatencyModel(1e-6, 1e-7), LatencyModel(480e-3, 49e-3)]
     assert tuner.propose(np.zeros((2, 2)), step_cost=slow, runner=BackgroundSolver().run) is None
     assert [tuner.schedule(N) for N in range(1, 17)] == before
+
+
+def test_a_search_child_answers_many_requests_in_one_process_and_keeps_serving_after_an_error():
+    child = ChildProcess()
+    try:
+        pid = child.run(os.getpid)
+        assert pid != os.getpid() and child.run(os.nice, 0) == os.nice(0)  # as this one: only the re-solve idles
+        with pytest.raises(ZeroDivisionError):
+            child.run(operator.truediv, 1, 0)
+        assert child.run(os.getpid) == pid  # the same child, still serving
+    finally:
+        child.kill()
+    with pytest.raises(ChildCancelled):
+        child.run(os.getpid)

@@ -1,20 +1,26 @@
 """The exhaustive search for the throughput-optimal thresholds B* (docs/throughput-model.md, "The
-optimum"): its results, the memo of solved chains, and batched, optionally parallel solving.
+optimum"): its results, the memo of solved chains, and batched, optionally parallel solving, in
+child processes (`ChildProcess`, this module's `__main__`; the router's background re-solve runs
+in one too).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-import multiprocessing as mp
 import os
+import pickle
+import queue
+import subprocess
+import sys
 import threading
 import time
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from .dtmc import DEFAULT_MAX_STATES, DTMCResult, feasible_thresholds, solve_many
 from .inputs import SystemSpec, check_concurrency
+from .learned import TuningCancelled
 from .statespace import BudgetExceeded
 
 # -------------------- the memo of solved chains --------------------
@@ -175,16 +181,6 @@ def _make_batches(
     return batches
 
 
-def _pool(workers: int) -> ProcessPoolExecutor:
-    # fork is cheapest (no re-import of numpy/scipy); with other threads alive
-    # (say, inside a server) forkserver avoids inheriting a held lock.
-    methods = mp.get_all_start_methods()
-    method = "fork" if "fork" in methods and threading.active_count() == 1 else None
-    if method is None:
-        method = "forkserver" if "forkserver" in methods else "spawn"
-    return ProcessPoolExecutor(workers, mp_context=mp.get_context(method))
-
-
 class Searcher:
     """Solves many (N, B) with batching, caching and size prediction."""
 
@@ -227,7 +223,9 @@ class Searcher:
 
             total = sum(len(feasible_thresholds(M, N)) for N in Ns)
             bar = tqdm(total=total, desc="DTMC threshold search", unit="B", leave=False)
-        pool: ProcessPoolExecutor | None = None
+        pool: ThreadPoolExecutor | None = None  # its threads each drive one child process
+        children: queue.SimpleQueue[ChildProcess] = queue.SimpleQueue()
+        started: list[ChildProcess] = []
         try:
             for N in Ns:
                 t0 = time.perf_counter()
@@ -254,9 +252,12 @@ class Searcher:
                     for bs, g in batches
                 ]
                 if parallel and pool is None:
-                    pool = _pool(self.workers)
+                    pool = ThreadPoolExecutor(self.workers, thread_name_prefix="aiorouter-search")
+                    started = [ChildProcess() for _ in range(self.workers)]
+                    for c in started:
+                        children.put(c)
                 if parallel and len(args) > 1:
-                    futures = [pool.submit(solve_batch, a) for a in args]
+                    futures = [pool.submit(_in_child, children, solve_batch, a) for a in args]
                     results_iter = (f.result() for f in as_completed(futures))
                 else:
                     results_iter = map(solve_batch, args)
@@ -273,7 +274,9 @@ class Searcher:
                                         time.perf_counter() - t0))
         finally:
             if pool is not None:
-                pool.shutdown(cancel_futures=True)
+                pool.shutdown(wait=False, cancel_futures=True)
+                for c in started:  # (idle once every batch answered; mid-solve after an error)
+                    c.kill()
             if bar is not None:
                 bar.close()
         return out
@@ -348,3 +351,119 @@ def solve_grid(
         for r in solve_batch((spec, N, chunk, max_states, BATCH_STATES)):
             out[r.B] = r
     return [out[b] for b in grid]
+
+
+# -------------------- child processes --------------------
+# Work in another process: the search's batches when it runs in parallel, and the router's
+# re-solves while serving (service.BackgroundSolver: one child at the lowest CPU priority, so
+# that the models keep their cores and the GIL).
+#
+# A child is a fresh interpreter that runs `child_main` and imports
+# only `aiorouter.tuning` (0.6 s). A multiprocessing "spawn" child also re-imports the parent's
+# main script and, with it, torch and the router (2.5 s more of CPU, and the whole script for one
+# without a main guard); a "fork" child of a server inherits whatever lock another thread held.
+# Requests (fn, args) and answers are pickled through its stdin and stdout, one after another,
+# until its stdin closes. `kill` ends it at once, mid-solve or idle, and nothing of it outlives
+# its owner.
+
+NICE = 19  # the lowest niceness, for platforms without SCHED_IDLE (and set under it too)
+
+
+class ChildCancelled(TuningCancelled):
+    """The child was killed (`ChildProcess.kill`: its owner closed) before it answered."""
+
+
+def lowest_priority() -> str:
+    """Put this process at the lowest CPU priority the platform offers -> which one it got. Under
+    SCHED_IDLE (Linux) a model's thread that wakes takes its core back at once, where at nice 19
+    the scheduler still gives the child a slice."""
+    got = "normal"
+    try:
+        os.nice(NICE)
+        got = "nice 19"
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        got = "SCHED_IDLE"
+    except (AttributeError, OSError):
+        pass
+    return got
+
+
+class ChildProcess:
+    """`run(fn, *args)` in a child interpreter (started on first use), blocking the calling thread
+    until it answers. `fn` and `args` must be picklable (a module-level function and plain data);
+    what `fn` raises is raised here. `idle`: the child runs at the lowest CPU priority."""
+
+    def __init__(self, idle: bool = False) -> None:
+        self.idle = idle
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._killed = False
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        with self._lock:
+            if self._killed:
+                raise ChildCancelled("the child process was killed")
+            if self._proc is None:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-c", "from aiorouter.tuning.search import child_main; child_main()"]
+                    + (["--idle"] if self.idle else []), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            proc = self._proc
+        try:
+            pickle.dump((fn, args), proc.stdin)
+            proc.stdin.flush()
+            ok, value = pickle.load(proc.stdout)
+        except Exception:
+            if self._killed:
+                raise ChildCancelled("the child process was killed before it answered") from None
+            raise RuntimeError(f"a child process of the search died (exit code {proc.poll()})") from None
+        if not ok:
+            raise value
+        return value
+
+    def kill(self) -> None:
+        """End the child now, solving or not, and refuse later runs."""
+        with self._lock:
+            self._killed = True
+            proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc is not None:
+            proc.stdin.close()
+            proc.stdout.close()
+
+
+def _in_child(children: "queue.SimpleQueue[ChildProcess]", fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) in whichever child is free (a thread of the search's pool waits for its answer)."""
+    child = children.get()
+    try:
+        return child.run(fn, *args)
+    finally:
+        children.put(child)
+
+
+def child_main() -> None:
+    """A child process: reads pickled (fn, args) on stdin, writes the pickled (True, fn(*args)) or
+    (False, the exception) on stdout for each, until stdin closes."""
+    if "--idle" in sys.argv[1:]:
+        lowest_priority()
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    sys.stdout = sys.stderr  # anything the solve prints must not mix with the answers
+    while True:
+        try:
+            fn, args = pickle.load(sys.stdin.buffer)
+        except EOFError:
+            break
+        try:
+            answer = (True, fn(*args))
+        except BaseException as e:  # everything goes back to the parent, which raises it there
+            answer = (False, e)
+        try:
+            data = pickle.dumps(answer)
+        except Exception as e:  # (an unpicklable answer or exception)
+            data = pickle.dumps((False, RuntimeError(f"a child process's answer could not be pickled: {e!r}")))
+        out.write(data)
+        out.flush()

@@ -1,5 +1,5 @@
 """The router's tuning service and its background re-solve: a re-solve runs in a child process at
-the lowest CPU priority (`BackgroundSolver`), this module's `__main__` being that child.
+the lowest CPU priority (`BackgroundSolver`).
 """
 
 from __future__ import annotations
@@ -7,10 +7,6 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 import logging
-import os
-import pickle
-import subprocess
-import sys
 import threading
 import time
 from typing import Any, Awaitable, Callable, Sequence
@@ -20,89 +16,48 @@ import numpy as np
 from .inputs import Contention, LatencyModel, fit_latency, fit_samples
 from .learned import MIN_SPANS, ServedFit, StepSpan, TuningCancelled, fit_served
 from .dtmc import DEFAULT_TABLE_STATES, choose_delta
+from .search import ChildCancelled, ChildProcess
 from .tuner import Tuner, TunerConfig
 
 # -------------------- background --------------------
-# Re-solves while serving, run in a child process at the lowest CPU priority.
+# Re-solves while serving, run in a child process at the lowest CPU priority (search.ChildProcess).
 #
 # Why: a re-solve of the threshold table is seconds of CPU (cpu-tiny, N = 1..16: ~15 s). Run in a
 # thread of the serving process it took those seconds from the models on a CPU host, and held the
 # GIL against the event loop and the models' workers on any host: the cpu-tiny pair at N = 16
 # (delayed, thresholds "auto", 32 requests) served 158-171 tok/s with the re-solve running
-# against 182-206 with the same thresholds fixed and none.
-#
-# The child runs under SCHED_IDLE where Linux offers it (nice 19 elsewhere): a model's thread that
-# wakes takes its core back at once, where at nice 19 the scheduler still gives the child a slice.
-# The child is a fresh interpreter that imports only `aiorouter.tuning` (0.6 s), started with
-# `python -m`: a multiprocessing "spawn" child also re-imports the parent's main script and, with
-# it, torch and the router (2.5 s more of CPU, and the whole script for one without a main guard).
-# A re-solve's request and answer are pickled through its stdin and stdout. One child per re-solve,
-# so a cancelled one, or the router that closes, ends it at once (`cancel`) and nothing of it
-# outlives the router.
-
-NICE = 19  # the lowest niceness, for platforms without SCHED_IDLE (and set under it too)
-
-
-def lowest_priority() -> str:
-    """Put this process at the lowest CPU priority the platform offers -> which one it got."""
-    got = "normal"
-    try:
-        os.nice(NICE)
-        got = "nice 19"
-    except (AttributeError, OSError):
-        pass
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        got = "SCHED_IDLE"
-    except (AttributeError, OSError):
-        pass
-    return got
-
-
-class BackgroundCancelled(TuningCancelled):
-    """The solve's process was ended by `cancel` (the router closed) before it answered."""
+# against 182-206 with the same thresholds fixed and none. One child per re-solve, so a cancelled
+# one, or the router that closes, ends it at once (`cancel`) and nothing of it outlives the router.
 
 
 class BackgroundSolver:
     """`run(fn, *args)` in a fresh child process at the lowest priority, blocking the calling thread
-    (not the event loop: call it from a worker thread) until the child answers. `fn` and `args` must
-    be picklable (a module-level function and plain data); the child raises nothing into the parent
-    but what `fn` raised, re-raised here."""
+    (not the event loop: call it from a worker thread) until the child answers; `cancel` ends the
+    running one and refuses later ones (`ChildCancelled`, a `TuningCancelled`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
+        self._child: ChildProcess | None = None
         self._cancelled = False
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        request = pickle.dumps((fn, args))
         with self._lock:
             if self._cancelled:
-                raise BackgroundCancelled("the background solver was cancelled")
-            proc = self._proc = subprocess.Popen([sys.executable, "-m", "aiorouter.tuning.service"],
-                                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                raise ChildCancelled("the background solver was cancelled")
+            child = self._child = ChildProcess(idle=True)
         try:
-            answer, _ = proc.communicate(request)
+            return child.run(fn, *args)
         finally:
+            child.kill()  # (its answer is in: the child only idles now)
             with self._lock:
-                self._proc = None
-        if self._cancelled:
-            raise BackgroundCancelled("the background solve was cancelled")
-        try:
-            ok, value = pickle.loads(answer)
-        except Exception:
-            raise RuntimeError(f"the background solve's process died (exit code {proc.returncode})") from None
-        if not ok:
-            raise value
-        return value
+                self._child = None
 
     def cancel(self) -> None:
-        """End the running solve (if any) and refuse later ones."""
         with self._lock:
             self._cancelled = True
-            proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.kill()
+            child = self._child
+        if child is not None:
+            child.kill()
 
 
 # -------------------- service --------------------
@@ -331,28 +286,3 @@ class TuningService:
             if t is not None:
                 t.cancel()
         await asyncio.gather(*(t for t in (self._task, self._resolving) if t is not None), return_exceptions=True)
-
-
-# -------------------- the background re-solve's process --------------------
-
-
-def child_main() -> None:
-    """The background re-solve's process: reads a pickled (fn, args) on stdin, writes the pickled
-    (True, fn(*args)) or (False, the exception) on stdout."""
-    lowest_priority()
-    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    sys.stdout = sys.stderr  # anything the solve prints must not mix with the answer
-    try:
-        fn, args = pickle.load(sys.stdin.buffer)
-        answer = (True, fn(*args))
-    except BaseException as e:  # everything goes back to the parent, which raises it there
-        answer = (False, e)
-    try:
-        out.write(pickle.dumps(answer))
-    except Exception as e:  # (an unpicklable answer or exception)
-        out.write(pickle.dumps((False, RuntimeError(f"the background solve's answer could not be pickled: {e!r}"))))
-    out.close()
-
-
-if __name__ == "__main__":
-    child_main()
