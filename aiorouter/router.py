@@ -3,11 +3,11 @@ may hand a request to another model after any step. Request-centric programming,
 execution.
 
 Who owns what: `RouterConfig` says how to serve; `ModelSpec.build` makes each engine and sizes its
-KV; `LaunchControl` decides when each model launches; a `Subserver` per model runs its steps and
-applies the policy; each engine commits the tokens its model keeps (`Engine.commit`); the
-`RequestTable` streams every committed token and ends requests; `TuningService` picks the
-delayed-batching thresholds. The router wires them at `start` and answers clients; it changes no
-engine it is handed (what it needs per step, it passes per step).
+KV; `LaunchControl` decides when each model launches; a `Subserver` per model runs its steps
+(`Engine.step_async`) and its `Routing` applies the policy; each engine commits the tokens its
+model keeps (`Engine.commit`); the `RequestTable` streams every committed token and ends requests;
+`TuningService` picks the delayed-batching thresholds. The router wires them at `start` and
+answers clients; it changes no engine it is handed (what it needs per step, it passes per step).
 """
 from __future__ import annotations
 

@@ -1,11 +1,14 @@
-"""`Engine`: one model served offline with continuous batching (vLLM's `LLM` in spirit)."""
+"""`Engine`: one model served offline with continuous batching (vLLM's `LLM` in spirit). A step is
+schedule -> execute -> finish -> commit, written once (`step_async`): an owner that routes awaits it
+with the forward in its worker thread and its policy choosing the tokens that stay; `step`, the
+engine alone, runs the same coroutine on the caller's thread and keeps every token."""
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable, NamedTuple, Sequence as Seq
+from typing import Any, Awaitable, Callable, Coroutine, Iterable, NamedTuple, Sequence as Seq, TypeVar
 
 import torch
 
@@ -51,6 +54,55 @@ class KVUsage(NamedTuple):
     prefix_matches: int  # admissions that ran prefix matching (a handoff-resume must not)
     preemptions: int
     parked: int  # sequences kept out of batches while a peer serves them
+
+
+class RunSpan(NamedTuple):
+    """One forward as the owner's worker ran it (perf_counter seconds) and what it computed."""
+
+    start: float
+    end: float
+    batch: int  # sequences in the step
+    tokens: int  # tokens computed, all sequences together
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one step did (`Engine.step_async`), for its owner to publish and count."""
+
+    launched: float  # perf_counter when the batch was scheduled: where each of `waits` ends
+    returned: float  # when the forward came back from the worker (its last part, when isolated)
+    finished: float  # when the batch's sequences were advanced: the step's cost ends here
+    waits: tuple[float, ...]  # seconds each newly ready sequence waited to join a batch
+    spans: tuple[RunSpan, ...]  # one per forward that returned: the batch's, or its parts'
+    failed: tuple[tuple[Sequence, Exception], ...]  # sequences whose forward raised even alone
+    bad: tuple[Sequence, ...]  # NaN/inf logits: nothing decided or committed, the sequence must fail
+    commits: tuple[tuple[Sequence, int, Commit | Exception], ...]  # per kept token: as `commit` returned it
+
+
+Hop = Callable[..., Awaitable[Any]]  # hop(fn, *args): fn(*args) in the thread the owner runs forwards in
+Forward = Callable[[list[ScheduledSeq]], ForwardOutput]  # a batch's forward, as that thread runs it
+# (output, its finite rows) -> the (sequence, token)s that stay here, to commit
+Decide = Callable[[ForwardOutput, list[int]], Awaitable[list[tuple[Sequence, int]]]]
+T = TypeVar("T")
+
+
+async def _here(fn: Callable[..., T], *args: Any) -> T:  # the engine alone: no worker thread to hop to
+    return fn(*args)
+
+
+async def _keep_all(out: ForwardOutput, rows: list[int]) -> list[tuple[Sequence, int]]:  # no policy: all stay
+    return [(out.seqs[r], out.next_tokens[r]) for r in rows]
+
+
+def _complete(step: Coroutine[Any, Any, T]) -> T:
+    """The result of a coroutine none of whose awaits suspends (`_here`, `_keep_all`): the engine
+    alone runs `step_async` to its end on the caller's thread, with no event loop."""
+    try:
+        step.send(None)
+    except StopIteration as done:
+        return done.value
+    step.close()
+    raise RuntimeError("a step suspended without an event loop: await Engine.step_async instead")
 
 
 @dataclass
@@ -217,7 +269,7 @@ class Engine:
         benchmark runs, like SGLang's /flush_cache); returns the pages freed."""
         return self.block_manager.reset_prefix_cache()
 
-    # -- one step: schedule -> execute -> finish -----------------------------------------------
+    # -- one step: schedule -> execute -> finish -> commit --------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
         """Pick this step's sequences and reserve their KV (on the owner's thread: the event loop)."""
         return self.scheduler.schedule()
@@ -244,7 +296,8 @@ class Engine:
 
     def finish(self, batch: list[ScheduledSeq], out: ForwardOutput) -> ForwardOutput:
         """The batch's K/V are written: advance the sequences and count the step. Tokens are not
-        appended: the caller decides (`Engine.step` commits them; a router may discard them)."""
+        appended: the caller decides (`step_async` commits those its owner keeps; a router may hand
+        the others off)."""
         self.scheduler.commit(batch)
         for row in out.bad_rows:  # NaN/inf logits: that sequence's K/V may be broken too, share none of it
             self.block_manager.uncache(out.seqs[row])
@@ -263,28 +316,87 @@ class Engine:
         return self.finish(batch, self.execute(batch, want_hidden)) if batch else None
 
     def step(self) -> list[Sequence]:
-        """One continuous-batching step; returns the sequences that finished in it. A sequence whose
-        logits were NaN/inf (`ForwardOutput.bad_rows`) finishes with "error"; the others go on."""
-        out = self.forward()
-        if out is None:
+        """One continuous-batching step (`step_async` on this thread, every sampled token kept);
+        returns the sequences that finished in it. A sequence whose logits were NaN/inf
+        (`ForwardOutput.bad_rows`) finishes with "error"; the others go on. A forward that raises,
+        or a token its stream refuses, raises here."""
+        report = _complete(self.step_async(_here, _keep_all, isolate=False))
+        if report is None:
             return []
-        bad = set(out.bad_rows)
-        for row in bad:
-            s = out.seqs[row]
-            s.output.finish("error")
-            self.scheduler.finish(s, "error")
-        good = [(s, t) for row, (s, t) in enumerate(zip(out.seqs, out.next_tokens)) if row not in bad]
-        for c in self.commit(good):
+        for seq in report.bad:
+            seq.output.finish("error")
+            self.scheduler.finish(seq, "error")
+        for _, _, c in report.commits:
             if isinstance(c, Exception):
                 raise c
-        return [s for s in out.seqs if s.is_finished]
+        return [s for s, _, _ in report.commits if s.is_finished] + list(report.bad)
+
+    async def step_async(self, hop: Hop, decide: Decide, forward: Forward | None = None, *,
+                         isolate: bool = True) -> StepReport | None:
+        """One step for an owner that routes: schedule, the forward in the owner's worker thread
+        (`hop`, so the owner's event loop goes on meanwhile), finish, then `decide` says which
+        sampled tokens stay here and they are committed. None when nothing could be scheduled.
+        Rows with NaN/inf logits are never decided on: they come back in `bad`, for the owner to
+        end. `forward`: the batch's forward as the worker runs it (None: `execute`). `isolate`: a
+        forward that raises runs again in halves (`_isolating`); False: it raises here."""
+        batch = self.schedule()
+        if not batch:
+            return None
+        launched = time.perf_counter()
+        waits = self.waits(batch, launched)
+        failed: list[tuple[Sequence, Exception]] = []
+        parts = await self._isolating(hop, forward or self.execute, batch, failed if isolate else None)
+        returned = time.perf_counter()
+        for part, out, _ in parts:
+            self.finish(part, out)
+        finished = time.perf_counter()
+        stays: list[tuple[Sequence, int]] = []
+        for _, out, _ in parts:
+            bad = set(out.bad_rows)
+            stays += await decide(out, [r for r in range(len(out.seqs)) if r not in bad])
+        # All of the step's tokens in one call, after every decision: nothing is awaited between
+        # it and the owner's publishing them, so a token committed is a token streamed (a request
+        # that ended while the policy decided, a client gone, refuses its token here instead).
+        commits = tuple((seq, token, c) for (seq, token), c in zip(stays, self.commit(stays)))
+        return StepReport(launched, returned, finished, tuple(waits), tuple(span for _, _, span in parts),
+                          tuple(failed), tuple(out.seqs[r] for _, out, _ in parts for r in out.bad_rows), commits)
+
+    async def _isolating(self, hop: Hop, forward: Forward, batch: list[ScheduledSeq],
+                         failed: list[tuple[Sequence, Exception]] | None
+                         ) -> list[tuple[list[ScheduledSeq], ForwardOutput, RunSpan]]:
+        """Run the batch -> [(part, its output, when the worker ran it)]. A step that raises is run
+        again in halves, so a sequence that makes steps fail fails alone (into `failed`; about
+        2*log2(B) extra steps for one such sequence in a batch of B) and the rest of the batch goes
+        on. Rerunning is sound: a step that raised committed nothing (`finish` did not run), so its
+        sequences compute the same positions again and rewrite their K/V slots with the same values.
+        (A seeded sampled request that is rerun draws again, so its tokens are then not
+        batch-independent.) `failed` None: the step's exception is raised instead."""
+        try:
+            return [(batch, *await hop(self._timed, forward, batch))]
+        except Exception as e:
+            if failed is None:
+                raise
+            if len(batch) == 1:
+                failed.append((batch[0].seq, e))
+                return []
+            log.exception("%s: a step of %d sequences failed; running it in halves to isolate the cause",
+                          self.path.name if self.path is not None else "sim engine", len(batch))
+        half = len(batch) // 2
+        return await self._isolating(hop, forward, batch[:half], failed) + \
+            await self._isolating(hop, forward, batch[half:], failed)
+
+    @staticmethod
+    def _timed(forward: Forward, batch: list[ScheduledSeq]) -> tuple[ForwardOutput, RunSpan]:
+        t = time.perf_counter()
+        out = forward(batch)
+        return out, RunSpan(t, time.perf_counter(), len(batch), sum(n for _, n in batch))
 
     def commit(self, tokens: Iterable[tuple[Sequence, int]]) -> list[Commit | Exception]:
         """Commit a step's tokens, one per sequence: append it to the sequence, feed the sequence's
         output stream (stop checks, text), mark it ready again, and finish the sequence here when
-        its output is over. The one place tokens are committed: `step` and a router's subservers
-        both come here. -> per token its `Commit`, or the exception its stream raised (a detokenizer
-        that failed): the owner fails that request alone, and the other tokens commit."""
+        its output is over. The one place tokens are committed: `step_async` (and so `step`) and
+        `append_token` come here. -> per token its `Commit`, or the exception its stream raised (a
+        detokenizer that failed): the owner fails that request alone, and the other tokens commit."""
         now = time.perf_counter()
         got: list[Commit | Exception] = []
         for seq, token in tokens:

@@ -57,7 +57,7 @@ _aten = torch.ops.aten
 # Above this many rows an int4 CPU layer leaves torch's int4 kernel for its many-row path. At 1
 # row a step is memory-bound and torch's kernel reads a quarter of bf16's bytes; with more rows it
 # turns compute-bound, and, decoding each weight group again per 4 rows, falls behind. A SmolLM2
-# step's decoder linears, 1 thread (bench/quant_kernels.py):
+# step's decoder linears, 1 thread (`python -m bench.default_pair kernels`):
 # - the bf16 copy in oneDNN (AVX512-BF16, no AMX; busy machine): torch int4 / bf16 = 11 / 60 ms at
 #   1 row, 45 / 72 at 4, 81 / 72 at 8, 148 / 96 at 16 (fp32: 103 at 1, 149 at 16): INT4_MAX_ROWS;
 # - the AMX kernel (Sapphire Rapids): torch int4 / AMX = 6.5 / 9.2 ms at 1 row, 7.9 / 9.2 at 2,

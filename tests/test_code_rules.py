@@ -12,7 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("aiorouter", "engines", "policies", "server")
 # the files a token passes through on every step: a fault plan wraps what they call, they check nothing
-HOT_PATH = ("engines/engine.py", "engines/runner.py", "aiorouter/subserver.py", "policies/base.py")
+HOT_PATH = ("engines/engine.py", "engines/runner.py", "aiorouter/subserver.py", "aiorouter/routing.py",
+            "policies/base.py")
 MUTATING = {"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault", "add",
             "discard", "appendleft", "extendleft", "popleft", "sort", "reverse"}
 

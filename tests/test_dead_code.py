@@ -35,6 +35,7 @@ PUBLIC = {
     "aiorouter/tuning/dtmc.py: expected_tau_quanta": "DTMCResult field (the chain's E[tau] in quanta)",
     "aiorouter/tuning/dtmc.py: step_rate": "DTMCResult field (request-steps per second per model)",
     "aiorouter/tuning/schedules.py: round_seconds": "sync schedule result field",
+    "aiorouter/tuning/search.py: child_main": "a search child runs it (`python -c`, search.ChildProcess)",
     "engines/default_model.py: hf_quantizer": "set on a transformers object transformers reads",
     "engines/default_model.py: model_max_length": "set on the tokenizer transformers reads",
     "engines/engine.py: prompt_token_ids": "RequestOutput field, as vLLM's",

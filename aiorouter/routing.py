@@ -1,0 +1,163 @@
+"""What the policy decides for one model's step: each request of the batch stays (its token is the
+engine's to commit) or is handed off to a peer with the policy's `PeerReq`; and, on the peer, the
+handoff taken in (`receive`). The handoff's bookkeeping (what each model has seen, parking, the
+post to the peer's inbox) is here too. A policy that raises fails the request it raised for, never
+the model: route is asked again per request, send and receive fail their request alone."""
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+import torch
+
+from aiorouter.launch import LaunchControl
+from aiorouter.request import Handoff, RouterError, RouterRequest
+from aiorouter.requests import RequestTable
+from engines import Engine, Sequence
+from engines.runner import ForwardOutput, ScheduledSeq
+from policies.base import STAY, PeerReq, Policy, ReqView, StepResult
+
+RouteObserver = Callable[[int, int, int], None]  # (from model, to model, tokens committed)
+
+
+class Routing:
+    def __init__(self, index: int, name: str, engine: Engine, launch: LaunchControl, requests: RequestTable,
+                 vocab_size: int, in_worker: Callable[..., Awaitable[Any]], observe: RouteObserver | None = None):
+        """`vocab_size`: the output rows that are tokens (rows past it are the policy's, never
+        sampled); `in_worker`: runs fn(*args) in the model's worker thread (a policy's heavy route)."""
+        self.index, self.name, self.engine, self.launch, self.requests = index, name, engine, launch, requests
+        self.vocab_size, self.in_worker, self.observe = vocab_size, in_worker, observe
+
+    def needs_hidden(self, batch: list[ScheduledSeq]) -> bool:
+        """The step must return hidden states: a policy of the batch reads them."""
+        return any(s.user_data.policy.needs_hidden for s, _ in batch)
+
+    # -- a step's batch --------------------------------------------------------------------------
+    async def route(self, out: ForwardOutput, rows: list[int]) -> list[tuple[Sequence, int]]:
+        """The policy decides for each of `rows` (requests with a per-request policy are routed
+        apart) -> the (sequence, token)s that stay here, for the engine to commit in one call;
+        the others are handed off."""
+        groups: dict[int, list[int]] = {}
+        for row in rows:
+            req = out.seqs[row].user_data
+            if not req.finished:
+                groups.setdefault(id(req.policy), []).append(row)
+        stays: list[tuple[Sequence, int]] = []
+        for group in groups.values():
+            policy = out.seqs[group[0]].user_data.policy
+            for req, d, view in await self._decide(policy, out, group):
+                if req.finished:  # ended while an isolating re-route ran (a client gone)
+                    continue
+                if d == STAY:
+                    stays.append((req.local[self.index], view.sampled))
+                else:
+                    self._hand_off(policy, req, d, view)
+        return stays
+
+    async def _decide(self, policy: Policy, out: ForwardOutput, rows: list[int]) -> list[tuple[RouterRequest, int, ReqView]]:
+        """`policy.route` for these rows -> (request, destination, view) each. When route raises for
+        the batch, it is asked again for each request alone, so the request that makes it raise
+        fails alone and the others go on (route sees each of them once more)."""
+        reqs: list[RouterRequest] = [out.seqs[r].user_data for r in rows]
+        logits, hidden = self._rows(out, rows)
+        V = self.vocab_size  # rows past V: reserved for the policy (a view, no copy)
+        result = StepResult(self.index, logits[:, :V], torch.tensor([out.next_tokens[r] for r in rows]), hidden,
+                            [self._view(q, out.next_tokens[r]) for q, r in zip(reqs, rows)],
+                            logits[:, V:] if logits.shape[-1] > V else None)
+        try:
+            dests = await self.in_worker(policy.route, result) if policy.route_in_worker else policy.route(result)
+            dests = [int(d) for d in (dests.tolist() if hasattr(dests, "tolist") else dests)]
+            if len(dests) != len(rows):
+                raise RouterError(f"policy {policy.name!r}.route returned {len(dests)} destinations "
+                                  f"for a batch of {len(rows)}")
+        except Exception as e:
+            if len(rows) > 1:
+                return [x for r in rows if not out.seqs[r].user_data.finished
+                        for x in await self._decide(policy, out, [r])]
+            self.requests.fail(reqs[0], e if isinstance(e, RouterError) else
+                               RouterError(f"policy {policy.name!r} raised in route on model {self.name!r}: {e!r}"))
+            return []
+        return list(zip(reqs, dests, result.reqs))
+
+    @staticmethod
+    def _rows(out: ForwardOutput, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's logits [len(rows), V] and hidden states for `rows`: the output itself when they
+        are the whole batch, else `index_select`. Not `logits[idx]`: advanced indexing opens a parallel
+        region even for a few rows, on the event loop thread's default OpenMP team (every core), and
+        waits at its barrier for a core another model's worker holds. On the shared 2-core machine
+        that was 20 ms median for a [16, 512] gather, against 3 us for `index_select`; at N = 16 on
+        the sim pair it took 70% of the event loop's time."""
+        if len(rows) == out.logits.shape[0]:  # rows are in batch order: all of them means the batch
+            return out.logits, out.hidden
+        idx = torch.tensor(rows)
+        return out.logits.index_select(0, idx), out.hidden.index_select(0, idx) if out.hidden is not None else None
+
+    def _view(self, req: RouterRequest, sampled: int | None = None, peer: int | None = None) -> ReqView:
+        return ReqView(req.rid, self.index, req.token_ids, req.num_prompt_tokens, sampled, tuple(req.seen),
+                       tuple(req.trace), req.state[self.index], peer)
+
+    # -- handoffs --------------------------------------------------------------------------------
+    def _hand_off(self, policy: Policy, req: RouterRequest, dest: int, view: ReqView) -> None:
+        try:
+            peers = policy.peers(self.index)
+            if not 1 <= dest <= len(peers):
+                raise RouterError(f"policy {policy.name!r} routed to peer {dest} from model {self.name!r}, "
+                                  f"which has {len(peers)} peers")
+            target = peers[dest - 1]
+            pr = policy.send(view._replace(peer=target))
+            new = self._check_send(policy, req, pr, target)
+        except Exception as e:
+            self.requests.fail(req, e if isinstance(e, RouterError) else
+                               RouterError(f"policy {policy.name!r} raised in send on model {self.name!r}: {e!r}"))
+            return
+        if self.observe is not None:
+            self.observe(self.index, target, len(new))
+        if new:
+            self.requests.commit(req, new, self.index)
+        if pr.finished:
+            self.requests.finish(req)
+        if req.finished:
+            return
+        self.engine.park(req.local[self.index])
+        self.requests.count_handoff(self.index, target)
+        self.launch.post(target, Handoff(req, pr, self.index))
+
+    @staticmethod
+    def _check_send(policy: Policy, req: RouterRequest, pr: PeerReq, target: int) -> list[int]:
+        """-> the tokens the send commits. A PeerReq carries the whole suffix the peer has not seen."""
+        unseen = req.token_ids[req.seen[target]:]
+        if pr.rid != req.rid or pr.loc != len(req.token_ids) or pr.tokens[:len(unseen)] != unseen:
+            raise RouterError(f"policy {policy.name!r}.send: a PeerReq must carry request {req.rid}, loc "
+                              f"{len(req.token_ids)} (the decoding position) and the {len(unseen)} tokens the peer "
+                              f"has not seen from position {req.seen[target]}; got loc {pr.loc}, {len(pr.tokens)} tokens")
+        return pr.tokens[len(unseen):]
+
+    def receive(self, msg: Handoff) -> None:
+        """A peer's handoff: the policy's receive says which tokens this model takes, then it arrives."""
+        req, pr = msg.req, msg.peer_req
+        if req.finished:
+            return
+        try:
+            tokens = list(req.policy.receive(pr, self._view(req)))
+            seen = req.seen[self.index]
+            if tokens != req.token_ids[seen:seen + len(tokens)]:
+                raise RouterError(f"policy {req.policy.name!r}.receive on {self.name!r} returned tokens that are not "
+                                  f"the request's committed tokens from position {seen}")
+        except Exception as e:  # a policy bug fails this request only
+            self.requests.fail(req, e if isinstance(e, RouterError) else
+                               RouterError(f"policy {req.policy.name!r} raised in receive on model {self.name!r}: {e!r}"))
+            return
+        self.arrive(req, tokens)
+
+    def arrive(self, req: RouterRequest, tokens: list[int]) -> None:
+        """The request is now this model's: its engine takes what it has not seen and makes it ready."""
+        if req.finished:
+            return
+        req.at = self.index
+        seq = req.local[self.index]
+        if seq is None:  # first visit: prefix matching and admission
+            seq = req.local[self.index] = self.engine.add(tokens, req.sampling, req.num_prompt_tokens,
+                                                          user_data=req, output=req.out)
+        else:  # handoff-resume: KV kept, just extend
+            self.engine.resume(seq, tokens)
+        req.seen[self.index] = len(seq.token_ids)
+
