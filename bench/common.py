@@ -1,16 +1,19 @@
-"""Shared benchmark plumbing: the cpu-tiny model pair, closed-loop clients, machine facts, results."""
+"""Shared benchmark plumbing: the model pairs, closed-loop clients, machine facts, results, arguments."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,21 +65,121 @@ def tiny_chat_qwen3(name: str, seed: int = 0) -> Path:
     return path
 
 
-def machine() -> dict:
+# -- the real pairs ---------------------------------------------------------------------------------
+PAIRS = ("cpu-tiny", "smollm2")
+
+
+@dataclass
+class Pair:
+    name: str
+    small: Path
+    large: Path
+    policy: str
+    policy_args: dict
+    vocab: int
+    notes: dict = field(default_factory=dict)
+
+
+def pair_paths(name: str) -> tuple[Path, Path]:
+    """(small, large) checkpoints: cpu-tiny's random Qwen3s, or SmolLM2-135M's first 10 layers and all 30."""
+    if name == "cpu-tiny":
+        return tiny_qwen3("small"), tiny_qwen3("large")
+    if name == "smollm2":
+        from engines.default_model import truncated_model_path
+        from engines.known_models import default_model_path
+        large = default_model_path()
+        return truncated_model_path(large, 10), large
+    raise ValueError(f"unknown pair {name!r}; choose from {', '.join(PAIRS)}")
+
+
+def load_pair(name: str) -> Pair:
+    """A pair with its policy: cpu-tiny routes `random` p = 0.35; smollm2 `rstitch` at the tau where it
+    splits its tokens alike (`calibrate`, on prompts drawn like low-effort's but not the measured ones)."""
+    small, large = pair_paths(name)
+    if name == "cpu-tiny":
+        return Pair(name, small, large, "random", {"p": 0.35, "seed": 7}, 4096)
+    from bench import workloads as W
+    vocab = json.loads((large / "config.json").read_text())["vocab_size"]
+    cal = calibrate(small, large, W.short_prompts(seed=123, count=4, vocab=min(vocab, W.VOCAB)),
+                    cache=cache_dir() / "bench-tau")
+    return Pair(name, small, large, "rstitch", {"tau": cal["tau"]}, vocab, {"tau_calibration": cal})
+
+
+# rstitch's tau for a real pair. With a fixed tau (the policy's default 0.03) the smollm2 pair never
+# routes: the 10-layer small model is unsure of every token on these prompts, and the large model of
+# nearly every one, so each token costs a small step and a large step. Here both models decode a few
+# prompts greedily, their normalised entropies are recorded, and tau is the value at which rstitch's
+# two-state chain (small hands off when H_small > tau, large hands back when H_large <= tau) spends
+# `target` of its steps on the large model, as `random` does on cpu-tiny (p = 0.35).
+def entropies(path: str | Path, prompts: list[list[int]], steps: int) -> np.ndarray:
+    """Normalised next-token entropies along each prompt's greedy continuation."""
+    from engines import Engine, SamplingParams
+    from policies.rstitch import normalized_entropy
+    eng = Engine.from_pretrained(path, num_kv_tokens=4096)
+    out: list[float] = []
+    seqs = [eng.add_request(p, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)) for p in prompts]
+    with torch.inference_mode():
+        while not all(s.is_finished for s in seqs):
+            step = eng.forward()
+            out += normalized_entropy(step.logits).tolist()
+            for s, t in zip(step.seqs, step.next_tokens):
+                eng.append_token(s, t)
+    return np.asarray(out)
+
+
+def large_share(tau: float, h_small: np.ndarray, h_large: np.ndarray) -> float:
+    """Stationary share of large-model steps: p / (p + q), p = P(H_small > tau), q = P(H_large <= tau)."""
+    p, q = float((h_small > tau).mean()), float((h_large <= tau).mean())
+    return p / (p + q) if p + q > 0 else 0.0
+
+
+def calibrate(small: str | Path, large: str | Path, prompts: list[list[int]], target: float = 0.35,
+              steps: int = 32, cache: Path | None = None) -> dict:
+    """-> {"tau", "large_share" (predicted), "target", "tokens"}: the candidate closest to the target.
+    With `cache` (a folder), a result is kept there under a hash of both checkpoints' files (names,
+    sizes, mtimes) and every argument, and reused: the calibration decodes with both models."""
+    entry = None
+    if cache is not None:
+        files = [sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(p).iterdir() if f.is_file())
+                 for p in (small, large)]
+        key = json.dumps([*files, prompts, target, steps])
+        entry = Path(cache) / f"tau-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+        if entry.is_file():
+            return json.loads(entry.read_text())
+    h_small, h_large = entropies(small, prompts, steps), entropies(large, prompts, steps)
+    candidates = np.unique(np.concatenate([h_small, h_large]))
+    shares = np.array([large_share(t, h_small, h_large) for t in candidates])
+    best = int(np.argmin(np.abs(shares - target)))
+    out = {"tau": round(float(candidates[best]), 6), "large_share": round(float(shares[best]), 3),
+           "target": target, "tokens": int(h_small.size)}
+    if entry is not None:
+        write_atomic(entry, json.dumps(out))
+    return out
+
+
+def _git(*args: str) -> str:
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     except OSError:
-        commit = ""
-    cpu = platform.processor()
+        return ""
+
+
+def machine() -> dict:
+    """What every result file records of where it ran: the CPU (and whether it has AVX512-BF16 and
+    AMX), cores, versions, load, the commit (and whether the code differed from it), the time."""
+    info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())  # the first CPU's
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "load_avg": os.getloadavg(), "commit": commit, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    flags = set(info.get("flags", "").split())
+    return {"cpu": info.get("model name") or platform.processor(), "cores": os.cpu_count(),
+            "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags, "torch": torch.__version__,
+            "python": platform.python_version(), "load_avg": os.getloadavg(), "commit": _git("rev-parse", "HEAD"),
+            "uncommitted": bool(_git("status", "--porcelain", "--", "aiorouter", "engines", "policies", "bench")),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 @dataclass
@@ -176,6 +279,41 @@ async def closed_loop(send, n: int, prompts: list, total: int, first=None) -> Lo
     return res
 
 
+def tokens_computed(r) -> dict[str, int]:
+    """Tokens each of a router's models has run through its layers so far (prefill, decode, catch-up extends)."""
+    return {s.name: s.engine.stats.num_prefill_tokens + s.engine.stats.num_decode_tokens for s in r.subservers}
+
+
+async def router_loop(r, prompts: list, n: int, total: int, max_tokens: int, warmup_prompts: list,
+                      warmup_tokens: int = 16) -> dict:
+    """A started router's throughput under `n` closed-loop clients sending `total` of `prompts`
+    (greedy, `max_tokens` each, EOS ignored), once its thresholds are solved and it has served `n`
+    warm-up requests at concurrency `n` (first calls of a batch shape, oneDNN primitives and the
+    allocator are not what is measured): the loop's summary and the models' counters over the run."""
+    async def send(p, max_tokens=max_tokens):
+        async for ev in r.stream(p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+            yield ev.model
+
+    await r.wait_tuned()  # measure the tuned thresholds, not the B = 1 stand-in used while solving
+    await closed_loop(lambda p: send(p, min(warmup_tokens, max_tokens)), n, warmup_prompts, n)
+    models = r.metrics.models
+    for m in models.values():  # measure the run only
+        m.steps, m.step_time_sum, m.admission_delay_sum, m.admission_delay_count = 0, 0.0, 0.0, 0
+        m.batch_sizes.clear()
+    r.metrics.handoffs.clear()
+    before = tokens_computed(r)
+    res = await closed_loop(send, n, prompts, total)
+    out = res.summary()
+    out["tokens_computed"] = {k: v - before[k] for k, v in tokens_computed(r).items()}  # extends included
+    out["handoffs"] = sum(r.metrics.handoffs.values())
+    out["mean_batch"] = {k: m.mean_batch_size for k, m in models.items()}
+    out["steps"] = {k: m.steps for k, m in models.items()}
+    out["step_ms"] = {k: 1000 * m.step_time_sum / max(1, m.steps) for k, m in models.items()}
+    out["busy"] = {k: m.step_time_sum / res.seconds for k, m in models.items()}  # share of the run inside steps
+    out["admission_delay_ms"] = {k: 1000 * m.mean_admission_delay for k, m in models.items()}
+    return out
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     import socket
@@ -184,12 +322,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def wait_healthy(url: str, timeout: float = 300, interval: float = 0.5) -> None:
-    """Poll an `aiorouter serve` endpoint's /health until it answers 200 (503 while models load)."""
+async def wait_healthy(url: str, timeout: float = 300, interval: float = 0.5, proc=None, log: Path | None = None) -> None:
+    """Poll a server's /health until it answers 200 (`aiorouter serve` answers 503 while models load);
+    with `proc` (a Popen), fail at once if it exits, quoting the end of its `log`."""
     import aiohttp
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                tail = log.read_text()[-2000:] if log is not None else ""
+                raise RuntimeError(f"{url}: the server exited ({proc.returncode}):\n{tail}")
             try:
                 async with s.get(url + "/health") as r:
                     if r.status == 200:
@@ -207,11 +349,42 @@ def rotated(items: list, k: int) -> list:
     return items[k:] + items[:k]
 
 
-def write_json(name: str, data: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"machine": machine(), **data}, indent=2, default=str))
+def write_json(name: str, data: dict, out: Path = RESULTS) -> Path:
+    """`out`/`name`.json: `data` with the machine's facts."""
+    path = Path(out) / f"{name}.json"
+    write_atomic(path, json.dumps({"machine": machine(), **data}, indent=2, default=str))
     return path
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `path` whole: a reader (or a crash mid-write) sees the last complete file or this one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def rel(path: Path, base: Path = ROOT) -> str:
+    """`path` relative to `base` (the repository) where it lies below it, for links and citations."""
+    path, base = Path(path).resolve(), Path(base).resolve()
+    return str(path.relative_to(base)) if path.is_relative_to(base) else str(path)
+
+
+def commas(text: str, conv=str, allowed=None) -> list:
+    """A comma list from the command line, each item through `conv`; exits naming an item not in `allowed`."""
+    items = [conv(x.strip()) for x in text.split(",") if x.strip()]
+    bad = [x for x in items if allowed is not None and x not in allowed]
+    if bad:
+        raise SystemExit(f"unknown {bad[0]!r}; choose from {', '.join(map(str, allowed))}")
+    return items
+
+
+def subcommands(argv: list[str] | None, default, **commands) -> int:
+    """`python -m bench.X [COMMAND] ...`: the named command's main on the rest, else `default`'s on all."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in commands:
+        return commands[argv[0]](argv[1:])
+    return default(argv)
 
 
 def process_cpu_s(pid: int) -> float:

@@ -14,7 +14,24 @@ how well it agrees with the large model, and how the pair routes and answers, in
    "equally correct": the pair's answer contains an expected keyword exactly when the large
    model's does.
 
-    python bench/default_pair.py [--rounds 3] [--taus 0.1,0.2,0.25,0.275,0.3,0.35,0.4] [--quick]
+    python -m bench.default_pair [--rounds 3] [--taus 0.1,0.2,0.25,0.275,0.3,0.35,0.4] [--quick]
+    python -m bench.default_pair kernels [--reps 5]
+
+`kernels`: what the step cost is made of, torch's weight-only int4 / int8 CPU kernels
+(engines/quant.py) against the oneDNN-packed fp32 Linear (engines/model.Linear), on SmolLM2-135M's
+layer shapes, at 1, 2, 3, 4, 8 and 16 rows, 1 thread. Each layer is built in enough copies to pass
+64 MB of fp32 weights and the calls cycle through them, so no weight is in cache when it is read,
+as in a decode step of the whole model. Total = 30 layers of each decoder shape plus the head, per
+step. Methods: fp32 (oneDNN, packed); int4 (QuantLinear: torch's kernel up to its kernel_rows, the
+AMX kernel or bf16 copy above); int4-kernel (`_weight_int4pack_mm_for_cpu` alone, bf16
+activations, groups of 32); int4-amx (the project's AMX kernel alone,
+engines/csrc/int4_linear_cpu.cpp; where the CPU has AMX-BF16); bf16 (the oneDNN-packed bf16
+Linear: what AVX512-BF16 dot products cost, the floor of a weight-only kernel whose activations
+stay 16-bit); int8 (`_weight_int8pack_mm`, bf16 activations); w8a8 (`torch._int_mm`, int8
+activations per token); int4 on fp32 activations, the kernel's scalar path, at 1 row only; and,
+not used by the engine, fbgemm (torch's dynamic int8 linear, VNNI, the rows scaled to [-1, 1]
+first so its one input scale acts per token: the cheapest int8 GEMM torch has on CPU, but int8
+activations cost SmolLM2 agreement).
 """
 from __future__ import annotations
 
@@ -23,18 +40,23 @@ import asyncio
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
 from aiorouter import Router, RouterConfig
 from aiorouter.cpu_threads import plan_threads
-from bench.common import OutsideLoad, write_json
-from engines import Engine, EngineConfig
+from bench.common import OutsideLoad, commas, subcommands, write_json
+from engines import Engine, EngineConfig, cpu_kernels
 from engines.default_model import truncated_model_path
 from engines.known_models import default_pair
+from engines.model import Linear
+from engines.quant import QuantLinear
+from engines.quant_formats import quantize_int8
 
 # (question, words of which one must appear in a correct answer), lower case
 FACTUAL_QUESTIONS: list[tuple[str, tuple[str, ...]]] = [
@@ -128,23 +150,6 @@ def step_costs(engines: dict[str, Engine], prompts, batches, rounds: int, n: int
     return out
 
 
-def breakdown(eng: Engine, prompts: list[list[int]], batch: int, n: int = 4) -> dict[str, float]:
-    """Where one thread's decode step goes: ms per step in linear layers, attention and the rest."""
-    groups = {"linear": ("mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu", "aiorouter_cpu::int4_linear", "aten::_int_mm",
-                         "aten::_weight_int8pack_mm", "aten::addmm", "aten::mm"),
-              "attention": ("aiorouter_cpu::paged_attention",)}
-    torch.set_num_threads(1)
-    ps = [prompts[i % len(prompts)] for i in range(batch)]
-    eng.generate(ps, max_tokens=1, temperature=0.0, ignore_eos=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        eng.generate(ps, max_tokens=1 + n, temperature=0.0, ignore_eos=True)
-    ev = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in ev)
-    out = {g: sum(e.self_cpu_time_total for e in ev if e.key in names) for g, names in groups.items()}
-    out["other"] = total - sum(out.values())
-    return {g: round(v / 1e3 / (1 + n), 2) for g, v in out.items()}  # ms per step (prefill step included)
-
-
 def forced_agreement(eng: Engine, prompts: list[list[int]], answers: list[list[int]]) -> float:
     """Share of the large model's answer tokens that `eng` predicts greedily from the same prefix."""
     cases = [(p + a[:j], a[j]) for p, a in zip(prompts, answers) for j in range(len(a))]
@@ -193,8 +198,9 @@ def pick(rows: list[dict], min_share: float = 0.5, min_match: float = 0.8) -> di
     return max(ok, key=lambda r: (r["small_share"], r["exact_match"])) if ok else None
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def pair_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.default_pair", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3, help="step-cost rounds (medians over them)")
     ap.add_argument("--steps", type=int, default=12, help="decode steps per step-cost sample")
     ap.add_argument("--batches", default="1,16")
@@ -211,13 +217,12 @@ def main(argv=None) -> int:
     engines = {"large": Engine(pair["large"])}
     engines.update({name: Engine(**kw) for name, kw in cands.items()})
     prompts = [chat_ids(engines["large"].tokenizer, q) for q, _ in questions]
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = commas(args.batches, int)
 
     t0 = time.perf_counter()
     with OutsideLoad() as load:
         costs = step_costs(engines, prompts, batches, args.rounds, args.steps)
     cost_s = time.perf_counter() - t0
-    split = {name: {str(b): breakdown(engines[name], prompts, b) for b in batches} for name in ("large", next(iter(cands)))}
 
     torch.set_num_threads(2)
     large_out = engines["large"].generate(prompts, max_tokens=args.max_tokens, temperature=0.0)
@@ -229,7 +234,7 @@ def main(argv=None) -> int:
                            "alone_vs_large": compare([(o.text, o.token_ids) for o in alone], ref, questions)}
     del engines
 
-    settings = [("rstitch", {"tau": float(t)}, pair["small"]) for t in args.taus.split(",")]
+    settings = [("rstitch", {"tau": t}, pair["small"]) for t in commas(args.taus, float)]
     if args.random_p:
         settings.append(("random", {"p": args.random_p}, pair["small"]))
     if not args.quick:  # the former default pair and policy, for comparison
@@ -239,7 +244,6 @@ def main(argv=None) -> int:
     path = write_json("default_pair", {
         "pair": {k: str(v) for k, v in pair.items()}, "questions": [q for q, _ in questions], "max_tokens": args.max_tokens,
         "step_cost": costs, "step_cost_seconds": round(cost_s, 1), "step_cost_outside_load_cores": load.cores,
-        "step_breakdown_1_thread_ms": split,
         "agreement": agreement, "large_alone_answers": [t for t, _ in ref_router], "routing": rows,
         "chosen": None if chosen is None else {"policy": chosen["policy"], "args": chosen["args"]}})
     print(f"step cost, small / large (other processes used {load.cores or 0:.2f} cores meanwhile):")
@@ -251,7 +255,6 @@ def main(argv=None) -> int:
             if key == "equal-1":
                 print(f"| equal-1, CPU time | {b} | " + " | ".join(
                     f"{v['small_cpu_ms']:.1f}/{v['large_cpu_ms']:.1f} ms = {v['cpu_ratio']:.2f}" for v in per.values()) + " |")
-    print(f"1-thread step breakdown (ms per step: linear / attention / other): {split}")
     print("\n| candidate | top-1 agreement | alone: exact | alone: equally correct |\n|---|---:|---:|---:|")
     for name, a in agreement.items():
         print(f"| {name} | {a['teacher_forced_top1']:.3f} | {a['alone_vs_large']['exact_match']:.2f} | "
@@ -262,6 +265,140 @@ def main(argv=None) -> int:
               f"{r['correct']} ({r['large_alone_correct']}) |")
     print(f"\nchosen: {None if chosen is None else (chosen['policy'], chosen['args'])}\nwrote {path}")
     return 0
+
+
+# -- kernels: one step's linears per int4 / int8 kernel -----------------------------------------------
+SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536),
+          "lm_head": (49152, 576)}  # [out, in]
+PER_STEP = {"qkv_proj": 30, "o_proj": 30, "gate_up_proj": 30, "down_proj": 30, "lm_head": 1}
+
+
+class _Int4Kernel(torch.nn.Module):
+    """The int4 kernel alone at every row count (QuantLinear hands more than INT4_MAX_ROWS rows to
+    its bf16 copy), on bf16 activations, or on fp32 ones and scales (what a float32 model would
+    hand it: the kernel's scalar path)."""
+
+    def __init__(self, q: QuantLinear, fp32: bool):
+        super().__init__()
+        self.q, self.fp32, self.sz = q, fp32, q.scales.float() if fp32 else q.scales
+
+    def forward(self, x):
+        a = x if self.fp32 else x.to(torch.bfloat16)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(a, self.q.qweight, self.q.group_size, self.sz).float()
+
+
+class _Int4Amx(torch.nn.Module):
+    """The AMX int4 kernel (engines/csrc/int4_linear_cpu.cpp) alone at every row count
+    (QuantLinear hands it more than INT4_AMX_MAX_ROWS rows)."""
+
+    def __init__(self, q: QuantLinear):
+        super().__init__()
+        if q.codes is None:
+            raise RuntimeError("this CPU (or build) has no AMX int4 kernel")
+        self.q = q
+
+    def forward(self, x):  # x [T, in] fp32 -> [T, out] fp32
+        return torch.ops.aiorouter_cpu.int4_linear(x, self.q.codes, self.q.block_scales, self.q.group_size)
+
+
+class _Bf16(torch.nn.Module):
+    def __init__(self, w: torch.Tensor):
+        super().__init__()
+        self.lin = Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16)
+        self.lin.weight.data.copy_(w)
+        if not self.lin.pack():
+            raise RuntimeError("oneDNN cannot pack a bf16 weight on this CPU")
+
+    def forward(self, x):  # x [T, in] fp32 -> [T, out] fp32
+        return self.lin(x.to(torch.bfloat16)).float()
+
+
+class _Fbgemm(torch.nn.Module):
+    def __init__(self, w: torch.Tensor):
+        super().__init__()
+        q, s = quantize_int8(w)
+        with warnings.catch_warnings():  # torch 2.13 warns that quantized tensors are deprecated
+            warnings.simplefilter("ignore", UserWarning)
+            qw = torch._make_per_channel_quantized_tensor(q, s.double(), torch.zeros(len(s), dtype=torch.long), 0)
+            self.packed = torch.ops.quantized.linear_prepack(qw, None)
+
+    def forward(self, x):  # x [T, in] -> [T, out]
+        xs = x.abs().amax(-1, keepdim=True).clamp_min_(1e-12)  # [T, 1]
+        return torch.ops.quantized.linear_dynamic(x / xs, self.packed, True).mul_(xs)
+
+
+def layers(method: str, N: int, K: int, copies: int) -> list[torch.nn.Module]:
+    out = []
+    for i in range(copies):
+        w = torch.randn(N, K, generator=torch.Generator().manual_seed(i)) * 0.05
+        if method == "fp32":
+            lin = Linear(K, N, bias=False)
+            lin.weight.data.copy_(w)
+            lin.pack()
+            out.append(lin)
+        elif method in ("bf16", "fbgemm"):
+            out.append(_Bf16(w) if method == "bf16" else _Fbgemm(w))
+        else:
+            q = QuantLinear(w, None, "int4" if method.startswith("int4") else method)
+            out.append(_Int4Amx(q) if method == "int4-amx" else
+                       _Int4Kernel(q, method == "int4-fp32act") if method.startswith("int4-") else q)
+    return out
+
+
+@torch.inference_mode()
+def time_us(mods: list[torch.nn.Module], x: torch.Tensor, reps: int) -> float:
+    for m in mods:
+        m(x)
+    best = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for m in mods:
+            m(x)
+        best.append((time.perf_counter() - t) / len(mods))
+    return statistics.median(best) * 1e6
+
+
+def kernels(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.default_pair kernels", description="one step's linears per "
+                                 "int4 / int8 kernel, 1 to 16 rows, 1 thread (this module's docstring says which)")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    methods = ["fp32", "int4", "int4-kernel", "int4-amx", "bf16", "int8", "w8a8", "fbgemm", "int4-fp32act"]
+    if not cpu_kernels.int4_amx_available():
+        methods.remove("int4-amx")
+    # 2-8: where torch's int4 kernel crosses bf16 (INT4_MAX_ROWS) and the AMX kernel (INT4_AMX_MAX_ROWS)
+    rows = (1, 2, 3, 4, 8, 16)
+    crossing = ("int4-kernel", "int4-amx", "bf16")
+    res: dict = {}
+    with OutsideLoad() as load:
+        for name, (N, K) in SHAPES.items():
+            copies = max(2, -(-64 * 2**20 // (N * K * 4)))
+            for method in methods:
+                mods = layers(method, N, K, copies if method != "int4-fp32act" else 2)
+                for M in rows:
+                    if (method == "int4-fp32act" and M > 1) or (M in (2, 3, 4, 8) and method not in crossing):
+                        continue
+                    x = torch.randn(M, K)
+                    res.setdefault(name, {}).setdefault(str(M), {})[method] = round(time_us(mods, x, args.reps), 1)
+                del mods
+    totals = {str(M): {m: round(sum(res[n][str(M)][m] * PER_STEP[n] for n in SHAPES) / 1e3, 2)
+                       for m in methods if m in res["o_proj"][str(M)]} for M in rows}
+    path = write_json("quant_kernels", {"threads": 1, "us_per_call": res, "ms_per_step": totals,
+                                        "outside_load_cores": load.cores})
+    print(f"us per call, 1 thread (other processes used {load.cores or 0:.2f} cores meanwhile)")
+    print("| layer [out, in] | rows | " + " | ".join(methods) + " |\n|---|---:|" + "---:|" * len(methods))
+    for name, per_m in res.items():
+        for M, r in per_m.items():
+            print(f"| {name} {list(SHAPES[name])} | {M} | " + " | ".join(str(r.get(m, "-")) for m in methods) + " |")
+    for M, t in totals.items():
+        print(f"| **a step's linears (ms)** | {M} | " + " | ".join(str(t.get(m, "-")) for m in methods) + " |")
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return subcommands(argv, pair_main, kernels=kernels)
 
 
 if __name__ == "__main__":

@@ -15,24 +15,43 @@ order, and its figure is the median: one pass's worst point (N = 8, B_1 = 8, +8.
 prediction) read +0.7..+3.5 % in three repeats run straight after it (a ~7 % run-to-run spread on
 the 2-core VM).
 
-    python bench/dtmc_validation.py [--seconds 4] [--concurrency 2,3,4,6,8] [--repeats 3]
+    python -m bench.dtmc_validation [--seconds 4] [--concurrency 2,3,4,6,8] [--repeats 3]
+    python -m bench.dtmc_validation background [--pair cpu-tiny|smollm2] [--batch 4] [--tokens 7]
+                                               [--threads 1,2] [--seconds 4] [--out DIR]
+
+`background`: what other work on the CPU costs a model's forwards, a cost the chain does not
+charge (it charges contention per second of overlap with the other model's forwards only). The
+pair's large model steps `--batch` sequences, `--tokens` tokens each (an extend, as after a
+handoff), in a worker thread with a `--threads` intra-op team, for `--seconds` per condition:
+alone, and beside a second thread that works in bursts and sleeps 2 ms between them, its bursts
+either pure Python (holding the GIL, like the event loop's work and a small model's dispatch) or
+hashing (releasing it, like a forward's kernels). Why: on cpu-tiny the large model's forwards ran
+1.24-1.37x the start-up profile in schedules that interleave the two models, even in steps the
+small model's forwards overlapped less than 10 % of their time, and 0.86x where the schedule kept
+them apart. Writes DIR/background_cost.json: per team size and condition, the median step in ms
+and its ratio to the step alone.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from aiorouter import Router, RouterConfig
 from aiorouter.tuning import SystemSpec, solve_grid
-from bench.common import RESULTS, rotated, write_json
+from bench.common import RESULTS, commas, load_pair, rotated, subcommands, write_json
 
 P, L0, L1 = 0.35, 6.0, 27.9
 
@@ -88,8 +107,9 @@ async def router_profile(n_max: int, learn_seconds: float, max_tokens: int) -> t
         return profiled, list(r.tuning.tuner.with_step_cost(costs)), dict(r.tuning.profiled)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+def validate(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.dtmc_validation", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="2,3,4,6,8")
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--max-tokens", type=int, default=200)
@@ -98,7 +118,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
-    ns = [int(x) for x in args.concurrency.split(",")]
+    ns = commas(args.concurrency, int)
     profiled, (lat0, lat1), raw = asyncio.run(router_profile(max(ns), args.learn_seconds, args.max_tokens))
     spec = SystemSpec.build([[1 - P, P], [1.0, 0.0]], [[1.0, 0.0], [1.0, 0.0]], [lat0, lat1], delta=1e-4)
     spec_profile = SystemSpec.build([[1 - P, P], [1.0, 0.0]], [[1.0, 0.0], [1.0, 0.0]], profiled, delta=1e-4)
@@ -134,7 +154,8 @@ def main(argv=None) -> int:
             "fitted_profile": {"small": [profiled[0].a, profiled[0].c], "large": [profiled[1].a, profiled[1].c]},
             "fitted": {"small": [lat0.a, lat0.c], "large": [lat1.a, lat1.c]}, "rows": rows, "summary": summary}
     path = write_json("dtmc_validation", data)
-    _plot(rows, ns)
+    from bench.plots import dtmc_validation
+    dtmc_validation(rows, ns, RESULTS / "dtmc_validation.png")
     lines = [f"Step times (ms, L(b) = a + c b): profiled small {profiled[0].a * 1e3:.2f} + {profiled[0].c * 1e3:.3f} b, "
              f"large {profiled[1].a * 1e3:.2f} + {profiled[1].c * 1e3:.3f} b; with the loop's work per step small "
              f"{lat0.a * 1e3:.2f} + {lat0.c * 1e3:.3f} b, large {lat1.a * 1e3:.2f} + {lat1.c * 1e3:.3f} b.", "",
@@ -149,26 +170,117 @@ def main(argv=None) -> int:
     lines += [f"| {s['N']} | {s['best_B1_predicted']} | {s['best_B1_measured']} | {s['measured_gap_of_predicted_best']:.1%} "
               f"| {s['max_abs_error']:.1%} |" for s in summary]
     print("\n".join(lines))
-    (RESULTS / "dtmc_validation.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {path}")
     return 0
 
 
-def _plot(rows, ns) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for n in ns:
-        rs = [r for r in rows if r["N"] == n]
-        line, = ax.plot([r["B1"] for r in rs], [r["predicted"] for r in rs], "-", label=f"N={n} predicted")
-        ax.plot([r["B1"] for r in rs], [r["measured"] for r in rs], "o", color=line.get_color(), label=f"N={n} measured")
-    ax.set_xlabel("B_1 (large-model threshold), B_0 = 1")
-    ax.set_ylabel("committed tokens / s")
-    ax.set_title("Throughput model vs runtime (SimEngine, p = 0.35)")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "dtmc_validation.png", dpi=120)
+# -- background: what other work on the CPU costs a model's step ----------------------------------
+GAP_MS = 2.0  # the background's sleep between bursts
+BURSTS_MS = (0.5, 2.0)  # 0.5 ms a burst: about a fifth of one core, 2 ms: half
+_BUF = bytes(range(256)) * 4096  # 1 MiB: sha256 releases the GIL while it hashes a buffer this size
+
+
+def _python_work() -> None:
+    x = 0
+    for i in range(200):
+        x += i * i
+
+
+def _gil_free_work() -> None:
+    hashlib.sha256(_BUF).digest()
+
+
+def _burst(work, ms: float) -> None:
+    """Call `work` over and over for `ms` milliseconds."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        work()
+
+
+BURSTS = {"python": _python_work, "gil_free": _gil_free_work}  # a burst's unit of work, by kind
+
+
+def median_step_ms(step, threads: int, seconds: float, burst: str | None = None, burst_ms: float = 0.0) -> float:
+    """Median ms of `step()` run back to back for `seconds` in a worker thread with a `threads`
+    team (the first three steps left out), beside a `burst` thread (None: alone)."""
+    stop, times, errors = threading.Event(), [], []
+
+    def worker() -> None:
+        try:
+            torch.set_num_threads(threads)  # per thread: this worker's team only, as the router's workers
+            while not stop.is_set():
+                t = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t)
+        except BaseException as e:  # noqa: BLE001 - reported below, in the caller's thread
+            errors.append(e)
+
+    def background() -> None:
+        while not stop.is_set():
+            _burst(BURSTS[burst], burst_ms)
+            time.sleep(GAP_MS / 1e3)
+
+    threads_ = [threading.Thread(target=worker)] + ([threading.Thread(target=background)] if burst else [])
+    for t in threads_:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads_:
+        t.join()
+    if errors:
+        raise RuntimeError(f"the model's step failed: {errors[0]!r}") from errors[0]
+    if len(times) < 5:
+        raise RuntimeError(f"only {len(times)} steps in {seconds} s: give it more --seconds")
+    return 1e3 * statistics.median(times[3:])
+
+
+def background_cost(step, teams: list[int], seconds: float) -> dict:
+    """{team: {condition: {"step_ms", "over_alone"}}} for every team size and condition."""
+    out = {}
+    for team in teams:
+        alone = median_step_ms(step, team, seconds)
+        row = {"alone": {"step_ms": alone, "over_alone": 1.0}}
+        for kind in BURSTS:
+            for ms in BURSTS_MS:
+                got = median_step_ms(step, team, seconds, kind, ms)
+                row[f"{kind} {ms:g}/{GAP_MS:g} ms"] = {"step_ms": got, "over_alone": got / alone}
+        out[str(team)] = row
+    return out
+
+
+def background(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.dtmc_validation background",
+                                 description="a model's step alone and beside bursts of other work")
+    ap.add_argument("--pair", choices=("cpu-tiny", "smollm2"), default="cpu-tiny")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=7, help="tokens a sequence computes a step (cpu-tiny's tau ~7.3)")
+    ap.add_argument("--threads", default="1,2", help="team sizes to measure")
+    ap.add_argument("--seconds", type=float, default=4.0, help="seconds a condition")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    teams = commas(args.threads, int)
+    if args.batch < 1 or args.tokens < 1 or args.seconds <= 0 or min(teams) < 1:
+        ap.error("--batch, --tokens and every --threads must be >= 1, and --seconds > 0")
+    from engines.engine import Engine
+    from engines.profile import DecodeBatch
+    engine = Engine(load_pair(args.pair).large)
+    batch = DecodeBatch(engine, args.batch)
+    try:
+        batch.prefill()
+        res = background_cost(lambda: batch.step(tokens=args.tokens), teams, args.seconds)
+    finally:
+        batch.close()
+    path = write_json("background_cost", {"pair": args.pair, "model": "large", "batch": args.batch,
+                                          "tokens": args.tokens, "seconds": args.seconds, "gap_ms": GAP_MS,
+                                          "results": res}, args.out)
+    for team, row in res.items():
+        print(f"team {team}: " + ", ".join(f"{k} {v['step_ms']:.1f} ms ({v['over_alone']:.2f}x)" for k, v in row.items()))
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return subcommands(argv, validate, background=background)
 
 
 if __name__ == "__main__":

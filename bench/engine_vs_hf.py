@@ -34,19 +34,18 @@ import functools
 import importlib
 import json
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a file, not only as `python -m bench.engine_vs_hf`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a file, not only as `python -m bench.engine_vs_hf`
-    sys.path.insert(0, str(ROOT))
+from bench.common import RESULTS, commas, machine
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MIN_LEN, MAX_LEN = 20, 400  # prompt tokens, chat template included
@@ -161,7 +160,7 @@ def run_engine(eng, prompts: list[list[int]], new_tokens: int) -> dict:
                 decode_tokens=sum(dec for _, dec in pure), steps=len(steps), tokens=[o.token_ids for o in outs])
 
 
-# -- machine ----------------------------------------------------------------------------------------
+# -- the memory-bandwidth floor ----------------------------------------------------------------------------------------
 def bandwidth(threads: int, mib: int = 512, reps: int = 9) -> dict:
     """Copy (read + write counted) and read-only bandwidth in GB/s, medians of `reps`."""
     torch.set_num_threads(threads)
@@ -206,30 +205,6 @@ def weight_bytes(model_path: Path, dtype: torch.dtype) -> dict:
     return dict(params=params, bytes=params * elt)
 
 
-def machine() -> dict:
-    cpu = platform.processor()
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "engines", "bench"], cwd=ROOT,
-                                    capture_output=True, text=True).stdout.strip())
-    except OSError:
-        commit, dirty = "", None
-    import transformers
-    return dict(cpu=cpu, cores=os.cpu_count(), torch=torch.__version__,
-                transformers=transformers.__version__, python=platform.python_version(),
-                avx512_bf16="avx512_bf16" in flags, amx_bf16="amx_bf16" in flags,
-                git_commit=commit, engines_or_bench_uncommitted=dirty)
-
-
 # -- report ----------------------------------------------------------------------------------------
 def _med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
@@ -252,8 +227,8 @@ def markdown(res: dict) -> str:
         f"## Engine vs HF `generate` ({', '.join(Path(p).name for p in res['models'])}, CPU)",
         "",
         f"{m['cpu']} ({'with' if m['avx512_bf16'] else 'without'} avx512_bf16), {m['cores']} cores; "
-        f"torch {m['torch']}, transformers {m['transformers']}; commit `{m['git_commit'][:10]}`"
-        + (" + uncommitted engine/bench changes" if m.get("engines_or_bench_uncommitted") else "") + ". "
+        f"torch {m['torch']}, transformers {m['transformers']}; commit `{m['commit'][:10]}`"
+        + (" + uncommitted changes" if m.get("uncommitted") else "") + ". "
         f"{res['new_tokens']} new tokens per request, greedy, EOS ignored; prompts {lo}-{hi} tokens of real text "
         f"through the chat template (HF: one left-padded batch with its attention mask; engine: unpadded, continuous "
         f"batching, chunked prefill); medians of {res['repeats']} repeats, HF and engine interleaved. "
@@ -369,16 +344,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="batches 1,8; 32 new tokens; 1 repeat")
     ap.add_argument("--model", default="smollm2-135m",
                     help="HF model dir(s) or known model name(s), comma-separated: a table each")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine_vs_hf.json"))
+    ap.add_argument("--out", default=str(RESULTS / "engine_vs_hf.json"))
     ap.add_argument("--md", default=None, help="tables file (default: the --out JSON's name, .md)")
     args = ap.parse_args(argv)
     if args.quick:
         args.batches, args.new_tokens, args.repeats = "1,8", 32, 1
-    batches = [int(b) for b in args.batches.split(",")]
-    threads = [int(t) for t in args.threads.split(",")]
-    dtypes = [d.strip() for d in args.dtypes.split(",")]
-    if unknown := [d for d in dtypes if d not in DTYPES]:
-        ap.error(f"unknown dtype(s) {unknown}; use {', '.join(DTYPES)}")
+    batches, threads, dtypes = commas(args.batches, int), commas(args.threads, int), commas(args.dtypes, allowed=DTYPES)
 
     import transformers
     from tqdm.auto import tqdm
@@ -387,7 +358,8 @@ def main(argv: list[str] | None = None) -> dict:
     transformers.logging.set_verbosity_error()
     paths = [Path(resolve_model_path(m.strip())) for m in args.model.split(",")]
     res: dict = dict(models=[str(p) for p in paths], new_tokens=args.new_tokens, repeats=args.repeats,
-                     batches=batches, prompt_lengths={}, machine=machine(), sections=[])
+                     batches=batches, prompt_lengths={}, machine={**machine(), "transformers": transformers.__version__},
+                     sections=[])
     pbar = tqdm(total=len(paths) * len(threads) * len(dtypes) * len(batches) * args.repeats * 2,
                 desc="engine vs HF", unit="run")
     for path in paths:

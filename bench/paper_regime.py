@@ -11,11 +11,11 @@ cores, as a GPU step does; `cpu-tiny` and `smollm2` -- the real pairs on this CP
 routes with `random` p = 0.35 (the paper's throughput-model validation setting).
 
 Systems: aiorouter-delayed / -eager / -sync (the runtime in each mode), std-serving-http (one
-server process per model, bench/token_server.py, and a per-token dispatcher here),
-std-serving-inproc (the same servers and dispatcher in this process), large-alone.
+server process per model and a per-token dispatcher here, bench/baselines.py), std-serving-inproc
+(the same servers and dispatcher in this process), large-alone.
 
-Writes DIR/paper_regime.json ({"runs": [...]}, one object per run) after every run, and the
-tables (bench/paper_report.py) into bench/RESULTS.md (--quick: DIR/RESULTS-paper-regime-quick.md).
+Writes DIR/paper_regime.json ({"runs": [...]}, one object per run) after every run, and at the end
+the targets, the paper's figures beside ours and every table as DIR/paper_regime.md.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import workloads as W
-from bench.common import ROOT, OutsideLoad, closed_loop, machine, tiny_qwen3
+from bench.common import RESULTS, OutsideLoad, commas, machine, pair_paths, rel, router_loop, write_atomic
 
 SYSTEMS = ("aiorouter-delayed", "aiorouter-eager", "aiorouter-sync", "std-serving-http", "std-serving-inproc",
            "large-alone")
@@ -95,15 +95,7 @@ def solve_sim_thresholds(slope_ms: tuple[float, float], cap: int = 16) -> tuple[
 def real_pair(name: str) -> Pair:
     from aiorouter.cpu_threads import plan_threads
     from engines.config import ModelConfig
-    if name == "cpu-tiny":
-        small, large = tiny_qwen3("small"), tiny_qwen3("large")
-    elif name == "smollm2":
-        from engines.default_model import truncated_model_path
-        from engines.known_models import default_model_path
-        large = default_model_path()
-        small = truncated_model_path(large, 10)
-    else:
-        raise ValueError(f"unknown pair {name!r}; choose from {', '.join(PAIRS)}")
+    small, large = pair_paths(name)
     vocab = ModelConfig.from_dir(large).vocab_size
     # the router's plan (the large model every core, the small one its share), per server process
     threads = dict(zip(("small", "large"), plan_threads([0, 1])))
@@ -161,85 +153,23 @@ async def _router_run(pair: Pair, system: str, wl: W.Workload, n: int, total: in
         kw = dict(policy=POLICY, policy_args=POLICY_ARGS, entry="small", mode=mode,
                   thresholds=pair.thresholds if mode == "delayed" else {"small": 1, "large": 1})
     async with Router(models, RouterConfig(kv_memory_gb=pair.kv_memory_gb, max_concurrency=max(n, 1), **kw)) as r:
-        async def send(p, max_tokens=wl.max_tokens):
-            async for ev in r.stream(p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
-                yield ev.model
-
-        await r.wait_tuned()
-        await closed_loop(lambda p: send(p, min(WARMUP_TOKENS, wl.max_tokens)), n, W.warmup_prompts(n, vocab=pair.vocab), n)
-        for m in r.metrics.models.values():  # measure the run only
-            m.steps, m.step_time_sum, m.admission_delay_sum, m.admission_delay_count = 0, 0.0, 0.0, 0
-            m.batch_sizes.clear()
-        res = await closed_loop(send, n, wl.prompts, total)
-        out = res.summary()
+        out = await router_loop(r, wl.prompts, n, total, wl.max_tokens, W.warmup_prompts(n, vocab=pair.vocab),
+                                WARMUP_TOKENS)
         if system != "large-alone":
             out["thresholds"] = r.thresholds(n)
-        out["mean_batch"] = {k: m.mean_batch_size for k, m in r.metrics.models.items()}
-        out["step_ms"] = {k: 1000 * m.step_time_sum / max(1, m.steps) for k, m in r.metrics.models.items()}
-        out["admission_delay_ms"] = {k: 1000 * m.mean_admission_delay for k, m in r.metrics.models.items()}
         return out
 
 
 async def _std_run(pair: Pair, system: str, wl: W.Workload, n: int, total: int, http) -> dict:
-    from aiorouter import heap
-    from bench.std_serving import StdServing, TokenDispatcher, server_delta
+    from bench.baselines import StdServing, TokenDispatcher, std_loop
     from policies import make_policy
     policy = make_policy(POLICY, POLICY_ARGS)
-    async with contextlib.AsyncExitStack() as stack:
-        if system == "std-serving-http":
-            await http.reset()
-            disp, stats = TokenDispatcher(http.clients, policy), http.stats
-        else:
-            std = await stack.enter_async_context(StdServing(pair.models, policy, pair.kv_memory_gb, STD_PAGE[pair.engine]))
-            disp = std.dispatcher
-
-            async def stats():  # no HTTP in process: nothing is handled outside the engine server
-                return {k: {**v, "handler_s": 0.0} for k, v in std.stats().items()}
-
-        async def send(p, max_tokens=wl.max_tokens):
-            async for _, model in disp.stream(p, max_tokens):
-                yield model
-
-        await closed_loop(lambda p: send(p, min(WARMUP_TOKENS, wl.max_tokens)), n, W.warmup_prompts(n, vocab=pair.vocab), n)
-        before, t0 = await stats(), _snapshot(disp.times)
-        with heap.frozen():  # what Router.start does, for the baselines that have no Router
-            res = await closed_loop(send, n, wl.prompts, total)
-        after, t1 = await stats(), _snapshot(disp.times)
-    out = res.summary()
-    servers = {k: server_delta(before[k], after[k]) for k in after}
-    out["servers"] = servers
-    out["mean_batch"] = {k: v["mean_batch"] for k, v in servers.items()}
-    out["breakdown"] = breakdown(servers, {k: t1[k] - t0[k] for k in t0}, disp.names)
-    return out
-
-
-def _snapshot(t) -> dict[str, float]:
-    snap = {f"calls:{k}": v for k, v in t.calls.items()}
-    snap.update({f"wait_s:{k}": v for k, v in t.wait_s.items()})
-    snap["policy_s"] = t.policy_s
-    return snap
-
-
-def breakdown(servers: dict, disp: dict, names: list[str]) -> dict:
-    """Table 10's split of a Std. Serving token, per model, in ms (per token = per request: each
-    returns one). The round trip (the dispatcher's await) = HTTP outside the server's handler
-    (client, loopback, framing) + the handler's own work (decode ids, encode the reply) + the queue
-    (waiting for the step in flight) + the step it rides in + the loop's wake-up to reply. The step
-    splits per step into admission and prefix matching, the forward, and the KV update."""
-    out = {}
-    calls_all = sum(disp[f"calls:{k}"] for k in names) or 1
-    for k in names:
-        s, calls, reqs = servers[k], max(1, disp[f"calls:{k}"]), max(1, servers[k]["requests"])
-        step, req = s["per_step_ms"], s["per_request_ms"]
-        rtt, handler = 1000 * disp[f"wait_s:{k}"] / calls, 1000 * s["handler_s"] / reqs  # handler: 0 in process
-        step_ms = step["admit"] + step["forward"] + step["kv"]
-        out[k] = {"requests": s["requests"], "steps": s["steps"], "mean_batch": s["mean_batch"],
-                  "per_step_ms": {"admit_prefix_match": step["admit"], "forward": step["forward"], "kv_update": step["kv"]},
-                  "per_token_ms": {"round_trip": rtt, "http_outside_server": rtt - handler if handler else 0.0,
-                                   "server_http_handling": handler - req["served"] if handler else 0.0,
-                                   "queue": req["queue"], "step": step_ms, "reply_wakeup": req["served"] - req["queue"] - step_ms,
-                                   "policy": 1000 * disp["policy_s"] / calls_all}}
-    return out
+    args = (wl.prompts, n, total, wl.max_tokens, W.warmup_prompts(n, vocab=pair.vocab), WARMUP_TOKENS)
+    if system == "std-serving-http":
+        await http.reset()
+        return await std_loop(TokenDispatcher(http.clients, policy), http.stats, *args)
+    async with StdServing(pair.models, policy, pair.kv_memory_gb, STD_PAGE[pair.engine]) as std:
+        return await std_loop(std.dispatcher, std.stats, *args)
 
 
 async def run_one(pair: Pair, system: str, wl: W.Workload, n: int, total: int, http) -> dict:
@@ -277,15 +207,13 @@ def key(row: dict) -> tuple:
 
 
 def save(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    tmp.replace(path)  # a crash mid-write leaves the last complete file
+    write_atomic(path, json.dumps(data, indent=1, default=str))  # a crash mid-write leaves the last complete file
 
 
 async def sweep(args, pairs: list[Pair], plan: list[tuple], data: dict, path: Path) -> None:
     from tqdm import tqdm
 
-    from bench.token_server import ServerProcesses, ServerSpec
+    from bench.baselines import ServerProcesses, ServerSpec
     done = {key(r) for r in data["runs"] if not r.get("error")}
     todo = [p for p in plan if (p[0].engine, p[0].name, p[1].name, p[1].max_tokens, p[2], p[3]) not in done]
     if len(todo) < len(plan):
@@ -318,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="sim N = 1, 4, 16 at two lengths 4x apart, cpu-tiny N = 4")
     ap.add_argument("--out", default=None, help="output folder (default bench/results)")
-    ap.add_argument("--md", default=None, help="tables file (default bench/RESULTS.md; --quick: DIR/RESULTS-paper-regime-quick.md)")
+    ap.add_argument("--md", default=None, help="tables file (default DIR/paper_regime.md)")
     ap.add_argument("--pairs", default=None, help=f"comma list of {', '.join(PAIRS)} (quick: sim,cpu-tiny)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--workloads", default=",".join(W.WORKLOADS), help="comma list of low-effort, high-effort, agentic")
@@ -340,28 +268,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from aiorouter import run
-    from bench import paper_report
     quick = args.quick
-    out_dir = Path(args.out) if args.out else ROOT / "bench" / "results"
+    out_dir = Path(args.out) if args.out else RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
-    md = Path(args.md) if args.md else (out_dir / "RESULTS-paper-regime-quick.md" if quick else ROOT / "bench" / "RESULTS.md")
     path = out_dir / "paper_regime.json"
+    md = Path(args.md) if args.md else path.with_suffix(".md")
     if args.report_only:
         data = json.loads(path.read_text())
-        data.update(paper_report.analyse(data["runs"]))
+        data.update(analyse(data["runs"]))
         save(path, data)
-        paper_report.write(data, md, path)
-        print(paper_report.summary(data))
+        write_tables(data, md, path)
+        print(summary(data))
         return 0
-    pair_names = [x for x in (args.pairs or ("sim,cpu-tiny" if quick else ",".join(PAIRS))).split(",") if x]
-    systems = [x for x in args.systems.split(",") if x]
-    wl_names = [x for x in args.workloads.split(",") if x]
-    for bad in [x for x in pair_names if x not in PAIRS] + [x for x in systems if x not in SYSTEMS] + \
-            [x for x in wl_names if x not in W.WORKLOADS]:
-        raise SystemExit(f"unknown pair, system or workload {bad!r}; pairs: {', '.join(PAIRS)}; systems: "
-                         f"{', '.join(SYSTEMS)}; workloads: {', '.join(W.WORKLOADS)}")
+    pair_names = commas(args.pairs or ("sim,cpu-tiny" if quick else ",".join(PAIRS)), allowed=PAIRS)
+    systems = commas(args.systems, allowed=SYSTEMS)
+    wl_names = commas(args.workloads, allowed=W.WORKLOADS)
     args.min_requests = args.min_requests or (1 if quick else 2)
-    slope = tuple(float(x) for x in args.sim_slope_ms.split(","))
+    slope = tuple(commas(args.sim_slope_ms, float))
     if len(slope) != 2 or any(c < 0 or c >= ms for c, ms in zip(slope, SIM_MS.values())):
         raise SystemExit(f"--sim-slope-ms takes SMALL,LARGE in [0, step), got {args.sim_slope_ms!r}")
     load = os.getloadavg()
@@ -370,12 +293,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     def concurrency(engine: str) -> list[int]:
         if args.concurrency:
-            return [int(x) for x in args.concurrency.split(",")]
+            return commas(args.concurrency, int)
         return ([1, 4, 16] if engine == "sim" else [4]) if quick else [1, 4, 8, 16]
 
     pairs = [sim_pair(slope, max(concurrency("sim"))) if p == "sim" else real_pair(p) for p in pair_names]
     if args.std_threads:
-        threads = dict(zip(("small", "large"), (int(x) for x in args.std_threads.split(","))))
+        threads = dict(zip(("small", "large"), commas(args.std_threads, int)))
         for p in pairs:
             if p.engine == "real":
                 p.std_threads = threads
@@ -406,12 +329,224 @@ def main(argv: list[str] | None = None) -> int:
     data["partial"] = False
     data["machine"]["load_avg_end"] = os.getloadavg()
     data["duration_s"] = time.perf_counter() - t0
-    data.update(paper_report.analyse(data["runs"]))
+    data.update(analyse(data["runs"]))
     save(path, data)
-    paper_report.write(data, md, path)
-    print(paper_report.summary(data))
+    write_tables(data, md, path)
+    print(summary(data))
     print(f"wrote {path} and {md} in {data['duration_s']:.0f} s", flush=True)
     return 0
+
+
+# -- targets, the paper's figures beside ours, and the tables ------------------------------------------
+SHORT = {"aiorouter-delayed": "delayed", "aiorouter-eager": "eager", "aiorouter-sync": "sync",
+         "std-serving-http": "Std HTTP", "std-serving-inproc": "Std in-proc", "large-alone": "large alone"}
+# The paper's figures (section 5.2): over the stronger baseline, 15 algorithm-workload pairs; Std. Serving's
+# loss from 2,048 to 8,192 output tokens; R2R from N = 1 to 16.
+PAPER = {"gain": (2.01, 64.15), "std_loss_pct": (58.1, 85.2), "n16_over_n1": 8.61, "per_user_kept_pct": 51.7}
+
+
+def _ok(r: dict | None) -> bool:
+    return r is not None and not r.get("error") and bool(r.get("tokens_per_s"))
+
+
+def index(runs: list[dict]) -> dict:
+    return {(r["engine"], r["pair"], r["workload"], r["max_tokens"], r["N"], r["system"]): r for r in runs if _ok(r)}
+
+
+def _lengths(ix: dict, engine: str, pair: str, workload: str) -> list[int]:
+    return sorted({k[3] for k in ix if k[:3] == (engine, pair, workload)})
+
+
+def length_pairs(ix: dict) -> list[dict]:
+    """Runs 4x apart in output length on ~100-token prompts: low-effort at L against low-effort or
+    high-effort (the same prompt family, as in the paper) at 4L."""
+    rows = []
+    for (engine, pair, wl, L, n, system), base in ix.items():
+        if wl != "low-effort":
+            continue
+        for long_wl in ("low-effort", "high-effort"):
+            long = ix.get((engine, pair, long_wl, 4 * L, n, system))
+            if long is not None:
+                rows.append({"engine": engine, "pair": pair, "system": system, "N": n, "short": f"{wl}@{L}",
+                             "long": f"{long_wl}@{4 * L}", "change_pct": 100 * (long["tokens_per_s"] / base["tokens_per_s"] - 1)})
+    return sorted(rows, key=lambda r: (r["engine"], r["pair"], r["system"], r["N"]))
+
+
+def _ratio(ix, a, b) -> float | None:
+    ra, rb = ix.get(a), ix.get(b)
+    return ra["tokens_per_s"] / rb["tokens_per_s"] if ra and rb else None
+
+
+def _target(name: str, value: float | None, target: float, above: bool = True, note: str = "") -> dict:
+    met = None if value is None else (value >= target if above else value <= target)
+    return {"name": name, "value": value, "target": target, "met": met, "note": note}
+
+
+def analyse(runs: list[dict]) -> dict:
+    ix = index(runs)
+    targets = []
+    lows = _lengths(ix, "sim", "sim", "low-effort")
+    L = lows[0] if lows else None
+    if L is not None:
+        k = lambda n, s: ("sim", "sim", "low-effort", L, n, s)
+        d4, s4 = ix.get(k(4, "aiorouter-delayed")), ix.get(k(4, "std-serving-http"))
+        bound = ""
+        if d4 and s4 and d4.get("ceiling_tokens_per_s"):
+            bound = (f"bound: the throughput model's optimum {d4['dtmc_tokens_per_s']:.0f} tok/s = "
+                     f"{d4['dtmc_tokens_per_s'] / s4['tokens_per_s']:.2f}x; any system, no waits, "
+                     f"{d4['ceiling_tokens_per_s']:.0f} tok/s = {d4['ceiling_tokens_per_s'] / s4['tokens_per_s']:.2f}x")
+        targets.append(_target(f"sim low-effort@{L}: delayed / Std HTTP, N=4", _ratio(ix, k(4, "aiorouter-delayed"),
+                                                                                    k(4, "std-serving-http")), 3.0,
+                               note=bound))
+        targets.append(_target(f"sim low-effort@{L}: delayed N=16 / N=1", _ratio(ix, k(16, "aiorouter-delayed"),
+                                                                               k(1, "aiorouter-delayed")), 8.0))
+        u1, u16 = ix.get(k(1, "aiorouter-delayed")), ix.get(k(16, "aiorouter-delayed"))
+        kept = u16["per_user_tokens_per_s"] / u1["per_user_tokens_per_s"] if u1 and u16 else None
+        targets.append(_target(f"sim low-effort@{L}: delayed per-user speed N=16 / N=1", kept, 0.5))
+    lp = length_pairs(ix)
+    for row in lp:
+        if row["engine"] == "sim" and row["system"] == "aiorouter-delayed":
+            targets.append(_target(f"sim {row['short']} -> {row['long']}: delayed throughput change, N={row['N']} (%)",
+                                   abs(row["change_pct"]), 10.0, above=False, note=f"{row['change_pct']:+.1f} %"))
+    for L in _lengths(ix, "real", "cpu-tiny", "low-effort")[:1]:
+        k = lambda s: ("real", "cpu-tiny", "low-effort", L, 4, s)
+        inproc = _ratio(ix, k("aiorouter-delayed"), k("std-serving-inproc"))
+        targets.append(_target(f"cpu-tiny low-effort@{L}: delayed / Std HTTP, N=4",
+                               _ratio(ix, k("aiorouter-delayed"), k("std-serving-http")), 3.0,
+                               note=f"in-process Std: {inproc:.2f}x" if inproc else ""))
+    return {"targets": targets, "length_scaling": lp, "paper_side_by_side": side_by_side(ix, lp)}
+
+
+def side_by_side(ix: dict, lp: list[dict]) -> list[dict]:
+    def span(xs):
+        xs = [x for x in xs if x is not None]
+        return (min(xs), max(xs)) if xs else None
+
+    rows = []
+    for engine, pair in sorted({(k[0], k[1]) for k in ix}):
+        gains = {k[4]: [] for k in ix}
+        for k in ix:
+            if k[:2] == (engine, pair) and k[5] == "aiorouter-delayed":
+                gains[k[4]].append(_ratio(ix, k, k[:5] + ("std-serving-http",)))
+        loss = [-r["change_pct"] for r in lp if (r["engine"], r["pair"], r["system"]) == (engine, pair, "std-serving-http")]
+        ours = [r["change_pct"] for r in lp if (r["engine"], r["pair"], r["system"]) == (engine, pair, "aiorouter-delayed")]
+        scale, kept = [], []
+        for k in ix:
+            if k[:2] == (engine, pair) and k[4] == 1 and k[5] == "aiorouter-delayed":
+                r1, r16 = ix[k], ix.get(k[:4] + (16, k[5]))
+                if r16:
+                    scale.append(r16["tokens_per_s"] / r1["tokens_per_s"])
+                    kept.append(100 * r16["per_user_tokens_per_s"] / r1["per_user_tokens_per_s"])
+        rows.append({"engine": engine, "pair": pair, "gain_over_std_http_n4": span(gains.get(4, [])),
+                     "gain_over_std_http": span([g for gs in gains.values() for g in gs]), "std_http_loss_pct": span(loss),
+                     "aiorouter_change_pct": span(ours), "n16_over_n1": span(scale), "per_user_kept_pct": span(kept)})
+    return rows
+
+
+# -- markdown ---------------------------------------------------------------------------------------------
+def _f(x, fmt="{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _span(s, fmt="{:.2f}", unit="") -> str:
+    if s is None:
+        return "-"
+    return f"{fmt.format(s[0])}{unit}" if abs(s[1] - s[0]) < 1e-9 else f"{fmt.format(s[0])} to {fmt.format(s[1])}{unit}"
+
+
+def tables(data: dict) -> str:
+    ix = index(data["runs"])
+    m, prev = data["machine"], data.get("resumed_from")
+    # a resumed sweep holds runs of two sessions (or more: resumed_from is the last one's machine)
+    runs_s = sum(r.get("wall_s", 0.0) for r in data["runs"])
+    kind = f"{'quick' if data['config']['quick'] else 'full'} run" + (", partial" if data.get("partial") else "")
+    took = f"{data['duration_s'] / 60:.1f} min" if data.get("duration_s") else f"{runs_s / 60:.1f} min of runs"
+    out = [f"Machine: {m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')}; commit `{str(m.get('commit'))[:10]}`"
+           + (f" (resuming runs made on `{str(prev.get('commit'))[:10]}`, load average {_load(prev.get('load_avg_start'))} "
+              f"at start, {_load(prev.get('load_avg_end'))} at end)" if prev else "")
+           + f"; {kind} of {len(data['runs'])} runs in {took}; load average {_load(m.get('load_avg_start'))} at start, "
+           f"{_load(m.get('load_avg_end'))} at end. Policy random p = 0.35 everywhere; sim steps "
+           f"{data['config']['sim_step_ms']} ms, slope {data['config']['sim_slope_ms']} ms per sequence.", ""]
+    out += ["### Targets", "", "| target | measured | goal | met? | note |", "|---|---:|---:|---|---|"]
+    for t in data["targets"]:
+        goal = f"{'>=' if 'change' not in t['name'] else '<='} {t['target']:g}"
+        out.append(f"| {t['name']} | {_f(t['value'])} | {goal} | {'-' if t['met'] is None else 'yes' if t['met'] else '**no**'} "
+                   f"| {t['note']} |")
+    out += ["", "### Side by side with the paper", "",
+            "| figure | paper (A100s, SGLang, Qwen3-0.6B/32B) | " + " | ".join(f"{r['pair']} ({r['engine']})" for r in data["paper_side_by_side"]) + " |",
+            "|---|---|" + "---|" * len(data["paper_side_by_side"])]
+    sbs = data["paper_side_by_side"]
+    out.append("| throughput over Std. Serving (paper: 15 algorithm-workload pairs; here: random p = 0.35, "
+               f"every workload) | {PAPER['gain'][0]}-{PAPER['gain'][1]}x over the stronger baseline | " +
+               " | ".join(f"N=4: {_span(r['gain_over_std_http_n4'], unit='x')}; all N: {_span(r['gain_over_std_http'], unit='x')}"
+                          for r in sbs) + " |")
+    out.append(f"| Std. Serving's loss when outputs grow 4x | {PAPER['std_loss_pct'][0]}-{PAPER['std_loss_pct'][1]} % | " +
+               " | ".join(_span(r["std_http_loss_pct"], "{:.1f}", " %") for r in sbs) + " |")
+    out.append("| aiorouter's change when outputs grow 4x | holds steady | " +
+               " | ".join(_span(r["aiorouter_change_pct"], "{:+.1f}", " %") for r in sbs) + " |")
+    out.append(f"| throughput N=16 / N=1 | {PAPER['n16_over_n1']}x | " + " | ".join(_span(r["n16_over_n1"], unit="x") for r in sbs) + " |")
+    out.append(f"| per-user speed kept at N=16 | {PAPER['per_user_kept_pct']} % | " + " | ".join(_span(r["per_user_kept_pct"], "{:.1f}", " %") for r in sbs) + " |")
+    out += ["", "### Throughput, tokens/s (per-user tokens/s)", ""]
+    systems = [s for s in SHORT if any(k[5] == s for k in ix)]
+    for engine, pair, wl, L in sorted({k[:4] for k in ix}, key=lambda k: (k[0] != "sim", k[1], k[2], k[3])):
+        desc = data.get("workloads", {}).get(f"{pair}/{wl}@{L}", {}).get("description", "")
+        out += [f"**{pair} ({engine}), {wl}, {L} output tokens**" + (f" -- {desc}" if desc else ""), "",
+                "| N | " + " | ".join(SHORT[s] for s in systems) + " | delayed / Std HTTP | delayed / Std in-proc |"
+                + (" DTMC bound (delayed) |" if engine == "sim" else ""),
+                "|---:|" + "---:|" * (len(systems) + 2) + ("---:|" if engine == "sim" else "")]
+        for n in sorted({k[4] for k in ix if k[:4] == (engine, pair, wl, L)}):
+            cells = []
+            for s in systems:
+                r = ix.get((engine, pair, wl, L, n, s))
+                cells.append(f"{r['tokens_per_s']:.1f} ({r['per_user_tokens_per_s']:.1f})" if r else "-")
+            k = lambda s: (engine, pair, wl, L, n, s)
+            row = f"| {n} | " + " | ".join(cells) + f" | {_f(_ratio(ix, k('aiorouter-delayed'), k('std-serving-http')), '{:.2f}x')} " \
+                  f"| {_f(_ratio(ix, k('aiorouter-delayed'), k('std-serving-inproc')), '{:.2f}x')} |"
+            if engine == "sim":
+                d = ix.get(k("aiorouter-delayed"), {}).get("dtmc_tokens_per_s")
+                row += f" {_f(d, '{:.1f}')} |"
+            out.append(row)
+        out.append("")
+    out += ["### Where a Std. Serving token's time goes (the paper's Table 10)", "",
+            "Per token (= per request: each returns one) in ms, std-serving-http unless noted. *round trip*: the "
+            "dispatcher's await of the server; *HTTP outside*: round trip minus the server's handler (client, "
+            "loopback, aiohttp framing); *handling*: the handler minus the engine server (decode ids, encode reply); "
+            "*queue*: waiting for the step in flight; *step*: the step the request rides in (*wake-up*: from its end to "
+            "the reply), split per step into "
+            "*admission + prefix match* (`Engine.add` + `Engine.schedule`), *forward* (a sim step's sleep), "
+            "*KV update* (`Engine.finish` + `release`: pages written, full ones into the prefix cache); *policy*: "
+            "route/send/receive in the dispatcher.", "",
+            "| run | model | batch | round trip | HTTP outside | handling | queue | step | wake-up | admission + prefix match | forward | KV update | policy |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for k, r in sorted(ix.items(), key=lambda kv: (kv[0][0] != "sim", kv[0][1:5])):
+        if k[5] not in ("std-serving-http", "std-serving-inproc") or "breakdown" not in r:
+            continue
+        if k[4] not in ((4,) if k[5] == "std-serving-inproc" else (4, 16)):
+            continue  # N = 4 and 16 over HTTP, N = 4 in process (every run's split is in the JSON)
+        for model, b in r["breakdown"].items():
+            t, st = b["per_token_ms"], b["per_step_ms"]
+            label = f"{k[1]} {k[2]}@{k[3]} N={k[4]}" + (" (in-proc)" if k[5] == "std-serving-inproc" else "")
+            out.append(f"| {label} | {model} | {b['mean_batch']:.2f} | {t['round_trip']:.2f} | {t['http_outside_server']:.2f} "
+                       f"| {t['server_http_handling']:.2f} | {t['queue']:.2f} | {t['step']:.2f} | {t['reply_wakeup']:.2f} | {st['admit_prefix_match']:.3f} "
+                       f"| {st['forward']:.2f} | {st['kv_update']:.3f} | {t['policy']:.3f} |")
+    return "\n".join(out) + "\n"
+
+
+def _load(x) -> str:
+    return "/".join(f"{v:.2f}" for v in x) if x else "?"
+
+
+def write_tables(data: dict, md: Path, json_path: Path) -> None:
+    md.write_text(f"# The paper's regime: every table\n\n_Generated by `python -m bench.paper_regime`; raw data: "
+                  f"`{rel(json_path)}`; the claims and how to read them: bench/RESULTS.md._\n\n{tables(data)}")
+
+
+def summary(data: dict) -> str:
+    lines = ["targets:"]
+    for t in data["targets"]:
+        lines.append(f"  {t['name']}: {_f(t['value'])} (goal {'<=' if 'change' in t['name'] else '>='} {t['target']:g}) "
+                     f"{'-' if t['met'] is None else 'met' if t['met'] else 'MISSED'} {t['note']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

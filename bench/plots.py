@@ -7,8 +7,8 @@
 * ``<name>-ablation.png``: sync / eager / delayed throughput at each N (one panel per pair, on
   low-effort or the first workload measured);
 
-(`python -m bench.report` redraws them from a saved run), and `modes_races` and `soak`, which plot
-bench.modes' and bench.soak's runs.
+(`python -m bench.run report` redraws them from a saved run); and `modes_races`, `soak` and
+`dtmc_validation`, which plot bench.modes', bench.soak's and bench.dtmc_validation's runs.
 """
 from __future__ import annotations
 
@@ -198,6 +198,24 @@ def modes_races(runs: list[dict], path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(plt, fig, path)
+
+
+def dtmc_validation(rows: list[dict], ns: list[int], path: Path) -> Path:
+    """The chain's predicted throughput against B_1 (lines) and the runtime's measured points, per N."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n in ns:
+        rs = [r for r in rows if r["N"] == n]
+        line, = ax.plot([r["B1"] for r in rs], [r["predicted"] for r in rs], "-", label=f"N={n} predicted")
+        ax.plot([r["B1"] for r in rs], [r["measured"] for r in rs], "o", color=line.get_color(), label=f"N={n} measured")
+    ax.set_xlabel("B_1 (large-model threshold), B_0 = 1")
+    ax.set_ylabel("committed tokens / s")
+    ax.set_title("Throughput model vs runtime (SimEngine, p = 0.35)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def make_all(data: dict, out_dir: Path, name: str) -> list[Path]:

@@ -1,19 +1,20 @@
-"""The benchmark harness: aiorouter against Std. Serving, HF naive and single models.
+"""Against the baselines on CPU: aiorouter against Std. Serving, HF naive and single models.
 
     python -m bench.run --quick                  # every system and ratio, tiny settings (< 3 min)
-    python -m bench.run                          # the full sweep (prints its expected duration first)
+    python -m bench.run                          # the full sweep
     python -m bench.run --pairs cpu-tiny --workloads low-effort --concurrency 1,4 --systems aiorouter,std-serving
+    python -m bench.run report bench/results/full.json [TABLES.md]   # a saved run's tables and plots again
     aiorouter bench ...                          # the same, from the CLI
 
 Systems (all in one process, interleaved per (workload, N) so drift hits them alike):
   aiorouter    Router, mode delayed, thresholds "auto"
   eager, sync  the same runtime in its eager-async and step-sync modes (ablation)
-  std-serving  one single-model server per model + an outside token-level dispatcher, in process (bench/std_serving.py)
+  std-serving  one single-model server per model + an outside token-level dispatcher, in process (bench/baselines.py)
   hf-naive     two transformers models, static lock-step batches (bench/baselines.py)
   large-alone, small-alone   one model through the runtime (policy "single")
 
-Writes <out>/<name>.json (raw figures), <out>/<name>-*.png (plots) and the tables beside them
-(bench/report.py): <out>/<name>.md (bench/RESULTS.md quotes the figures it claims).
+Writes <out>/<name>.json (raw figures), <out>/<name>-*.png (plots) and the tables beside them:
+<out>/<name>.md (bench/RESULTS.md quotes the figures it claims).
 """
 from __future__ import annotations
 
@@ -21,31 +22,27 @@ import argparse
 import asyncio
 import gc
 import json
-import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
-
+from aiorouter import heap
 from aiorouter.cpu_threads import plan_threads
 from bench import workloads as W
-from bench.baselines import HFNaive, make_rule
-from bench.std_serving import StdServing, server_delta
+from bench.baselines import HFNaive, StdServing, make_rule, std_loop
+from bench.common import (
+    PAIRS, ROOT, LoopResult, OutsideLoad, Pair, commas, load_pair, machine, rel, router_loop, subcommands)
 from policies import make_policy
-from aiorouter import heap
-from bench.common import ROOT, LoopResult, OutsideLoad, cache_dir, closed_loop, machine, tiny_qwen3
 
 SYSTEMS = ("aiorouter", "eager", "sync", "std-serving", "hf-naive", "large-alone", "small-alone")
 LABELS = {"aiorouter": "aiorouter (delayed)", "eager": "aiorouter eager", "sync": "aiorouter sync",
           "std-serving": "Std. Serving", "hf-naive": "HF naive", "large-alone": "large alone",
           "small-alone": "small alone"}
-PAIRS = ("cpu-tiny", "smollm2")
 CONCURRENCY = (1, 4, 8, 16)
 ROUTER_MODES = {"aiorouter": "delayed", "eager": "eager", "sync": "sync"}
 STD_PAGE_SIZE = 1  # Std. Serving's KV page: token-granular prefix cache (see --std-page-size)
@@ -63,35 +60,6 @@ RATIO_PAIR = "cpu-tiny"
 # Every system first serves N warm-up requests (prompts outside the workload) at concurrency N:
 # first calls of a batch shape (oneDNN primitives, allocator) are not what is measured.
 WARMUP_TOKENS = 16
-
-
-@dataclass
-class Pair:
-    name: str
-    small: Path
-    large: Path
-    policy: str
-    policy_args: dict
-    vocab: int
-    notes: dict = field(default_factory=dict)
-
-
-def load_pair(name: str) -> Pair:
-    if name == "cpu-tiny":
-        return Pair(name, tiny_qwen3("small"), tiny_qwen3("large"), "random", {"p": 0.35, "seed": 7}, 4096)
-    if name == "smollm2":
-        from engines.default_model import truncated_model_path
-        from engines.known_models import default_model_path
-        large = default_model_path()
-        small = truncated_model_path(large, 10)
-        vocab = json.loads((large / "config.json").read_text())["vocab_size"]
-        # tau where the pair splits its tokens like cpu-tiny's random p = 0.35 (bench/tau.py), from
-        # prompts drawn like low-effort's but not the measured ones
-        from bench.tau import calibrate
-        cal = calibrate(small, large, W.short_prompts(seed=123, count=4, vocab=min(vocab, W.VOCAB)),
-                        cache=cache_dir() / "bench-tau")
-        return Pair(name, small, large, "rstitch", {"tau": cal["tau"]}, vocab, {"tau_calibration": cal})
-    raise ValueError(f"unknown pair {name!r}; choose from {', '.join(PAIRS)}")
 
 
 @dataclass
@@ -125,55 +93,19 @@ async def _router_run(pair: Pair, system: str, wl: W.Workload, n: int, total: in
         models = {which: str(pair.large if which == "large" else pair.small)}
         kw = dict(policy="single", mode="eager")
     async with Router(models, RouterConfig(kv_memory_gb=opts.kv_memory_gb, max_concurrency=max(n, 1), **kw)) as r:
-        async def send(p, max_tokens=wl.max_tokens):
-            async for ev in r.stream(p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
-                yield ev.model
-
-        wait_tuned = getattr(r, "wait_tuned", None)
-        if wait_tuned is not None:  # measure the tuned thresholds, not the B=1 stand-in used while solving
-            await wait_tuned()
-        await closed_loop(lambda p: send(p, WARMUP_TOKENS), n, W.warmup_prompts(n, vocab=pair.vocab), n)
-        for m in r.metrics.models.values():  # measure the run only
-            m.steps, m.step_time_sum, m.admission_delay_sum, m.admission_delay_count = 0, 0.0, 0.0, 0
-            m.batch_sizes.clear()
-        r.metrics.handoffs.clear()
-        before = tokens_computed(r)
-        res = await closed_loop(send, n, wl.prompts, total)
-        computed = {k: v - before[k] for k, v in tokens_computed(r).items()}
-        out = res.summary()
-        out["tokens_computed"] = dict(computed)  # tokens each model ran through its layers (extends included)
+        out = await router_loop(r, wl.prompts, n, total, wl.max_tokens, W.warmup_prompts(n, vocab=pair.vocab),
+                                WARMUP_TOKENS)
         if system in ROUTER_MODES:
             out["thresholds"] = r.thresholds(n)
-            out["handoffs"] = sum(r.metrics.handoffs.values())
-        out["mean_batch"] = {k: m.mean_batch_size for k, m in r.metrics.models.items()}
-        out["steps"] = {k: m.steps for k, m in r.metrics.models.items()}
-        out["step_ms"] = {k: 1000 * m.step_time_sum / max(1, m.steps) for k, m in r.metrics.models.items()}
-        out["busy"] = {k: m.step_time_sum / res.seconds for k, m in r.metrics.models.items()}  # share of the run inside steps
-        out["admission_delay_ms"] = {k: 1000 * m.mean_admission_delay for k, m in r.metrics.models.items()}
         return out
-
-
-def tokens_computed(r) -> dict[str, int]:
-    """Tokens each model has run through its layers so far (prefill, decode and catch-up extends)."""
-    return {s.name: s.engine.stats.num_prefill_tokens + s.engine.stats.num_decode_tokens for s in r.subservers}
 
 
 async def _std_run(pair: Pair, wl: W.Workload, n: int, total: int, opts: Opts) -> dict:
     policy = make_policy(pair.policy, pair.policy_args)
     async with StdServing({"small": pair.small, "large": pair.large}, policy, opts.kv_memory_gb,
                           opts.engine_config.get("page_size")) as std:
-        await closed_loop(lambda p: std.stream(p, WARMUP_TOKENS), n, W.warmup_prompts(n, vocab=pair.vocab), n)
-        before = std.stats()
-        with heap.frozen():  # what Router.start does, for the baselines that have no Router
-            res = await closed_loop(lambda p: std.stream(p, wl.max_tokens), n, wl.prompts, total)
-        out = res.summary()
-        after = std.stats()
-        out["servers"] = {k: server_delta(before[k], after[k]) for k in after}
-        out["busy"] = {k: v["busy_s"] / res.seconds for k, v in out["servers"].items()}
-        out["tokens_computed"] = {k: v["prefill_tokens"] + v["decode_tokens"] for k, v in out["servers"].items()}
-        out["step_ms"] = {k: 1000 * v["busy_s"] / max(1, v["steps"]) for k, v in out["servers"].items()}
-        out["mean_batch"] = {k: v["mean_batch"] for k, v in out["servers"].items()}
-        return out
+        return await std_loop(std.dispatcher, std.stats, wl.prompts, n, total, wl.max_tokens,
+                              W.warmup_prompts(n, vocab=pair.vocab), WARMUP_TOKENS)
 
 
 def _hf_run(hf: HFNaive, wl: W.Workload, n: int, total: int) -> dict:
@@ -241,7 +173,7 @@ def run_one(pair: Pair, system: str, wl: W.Workload, n: int, opts: Opts, hf: HFN
     return out
 
 
-# -- calibration and the duration estimate ----------------------------------------------------------
+# -- HF naive's intra-op threads ----------------------------------------------------------------------
 def _hf_threads(pair: Pair, choice: str, quick: bool) -> tuple[int, dict]:
     """HF naive may use up to `cores` intra-op threads (the total the runtime uses); "auto"
     times 1 and `cores` threads on a short lock-step batch and keeps the faster (on a busy
@@ -265,62 +197,6 @@ def _hf_threads(pair: Pair, choice: str, quick: bool) -> tuple[int, dict]:
     timing = {t: sorted(v)[len(v) // 2] for t, v in timing.items()}
     best = min(timing, key=timing.get)
     return best, {f"{t}_threads_s": round(s, 4) for t, s in timing.items()}
-
-
-def calibrate(pairs: list[Pair], systems: list[str], opts_by_pair: dict, hfs: dict) -> dict:
-    """Short runs at N=1 and N=4 (16 tokens, low-effort prompts) -> tok/s per system, fitted as
-    a * N^b, plus each model's prefill speed, for the duration estimate."""
-    cal = {}
-    for pair in pairs:
-        opts = opts_by_pair[pair.name]
-        wl = W.Workload("calibration", W.short_prompts(7, 8, 100, 20, min(pair.vocab, W.VOCAB)), 16)
-        c = {}
-        for s in systems:
-            pts = {}
-            for n in (1, 4):
-                o = Opts(opts.kv_memory_gb, 1, n, opts.hf_threads, opts.engine_config)
-                r = run_one(pair, s, wl, n, o, hfs.get(pair.name))
-                pts[n] = (r.get("tok_s") or 1.0, r["wall_s"] - r.get("seconds", 0.0))
-            b = math.log(max(pts[4][0], 1e-6) / max(pts[1][0], 1e-6)) / math.log(4)
-            c[s] = {"a": pts[1][0], "b": max(0.0, min(1.0, b)), "overhead_s": max(pts[1][1], pts[4][1])}
-        c["prefill_s_per_token"] = _prefill_cost(pair)
-        cal[pair.name] = c
-    return cal
-
-
-def _prefill_cost(pair: Pair) -> dict:
-    from engines import Engine, EngineConfig
-    out = {}
-    prev = torch.get_num_threads()
-    torch.set_num_threads(router_threads(2))
-    try:
-        for which, path in (("small", pair.small), ("large", pair.large)):
-            eng = Engine(path, config=EngineConfig(num_kv_tokens=8192, enable_prefix_caching=False), load_tokenizer=False)
-            p = W.short_prompts(5, 1, 512, 0, min(pair.vocab, W.VOCAB))[0]
-            eng.generate(p[:64], max_tokens=1)
-            t0 = time.perf_counter()
-            eng.generate(p, max_tokens=1)
-            out[which] = (time.perf_counter() - t0) / len(p)
-    finally:
-        torch.set_num_threads(prev)
-    return out
-
-
-def estimate(plan: list[tuple], cal: dict, opts_by_pair: dict) -> float:
-    total = 0.0
-    for pair, wl, n, s in plan:
-        c = cal[pair.name]
-        sc = c[s]
-        reqs = num_requests(n, opts_by_pair[pair.name])
-        tok_s = sc["a"] * n ** sc["b"]
-        decode = reqs * wl.max_tokens / max(tok_s, 1e-6)
-        pf = c["prefill_s_per_token"]
-        per_tok = {"small-alone": pf["small"], "large-alone": pf["large"]}.get(s, pf["small"] + pf["large"])
-        prefill = reqs * wl.mean_prompt_len * per_tok
-        if wl.name == "agentic" and s != "hf-naive":
-            prefill *= 0.5  # prefix caching (shared preamble, earlier turns): a rough guess
-        total += decode + prefill + sc["overhead_s"]
-    return total
 
 
 # -- ratios -------------------------------------------------------------------------------------------
@@ -354,15 +230,6 @@ def ratios_by_workload(results: dict) -> list[dict]:
 
 
 # -- main ------------------------------------------------------------------------------------------------
-def _csv(s: str, allowed: tuple | None = None, conv=str) -> list:
-    items = [conv(x.strip()) for x in s.split(",") if x.strip()]
-    if allowed is not None:
-        bad = [x for x in items if x not in allowed]
-        if bad:
-            raise SystemExit(f"unknown {bad[0]!r}; choose from {', '.join(map(str, allowed))}")
-    return items
-
-
 def _outside_summary(results: dict) -> dict:
     xs = [r["outside_cores"] for wls in results.values() for cell in wls.values() for row in cell.values()
           for r in row.values() if r.get("outside_cores") is not None]
@@ -413,7 +280,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--name", default=None, help="JSON/plot name (default full, or quick)")
     ap.add_argument("--md", default=None, help="tables file (default <out>/<name>.md)")
     ap.add_argument("--merge", action="store_true", help="merge into an existing <out>/<name>.json instead of replacing it")
-    ap.add_argument("--no-estimate", action="store_true", help="skip the calibration and duration estimate")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="MINUTES",
                     help="before each (pair, workload, N) group, wait up to MINUTES until other processes use "
                          "less than --quiet-cores of CPU")
@@ -423,18 +289,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rerun a (pair, workload, N) group up to this many times while it is noisy; keep the cleanest")
     ap.add_argument("--redo-noisy", action="store_true",
                     help="with --merge: run only the groups missing or noisy in the existing JSON")
-    ap.add_argument("--estimate-only", action="store_true", help="calibrate, print the expected duration, exit")
-    ap.add_argument("--yes", action="store_true", help="(accepted for scripts; the sweep never asks)")
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
+def sweep(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     quick = args.quick
-    pair_names = _csv(args.pairs or ("cpu-tiny" if quick else ",".join(PAIRS)), PAIRS)
-    wl_names = _csv(args.workloads or ("low-effort" if quick else ",".join(W.WORKLOADS)), W.WORKLOADS)
-    ns = _csv(args.concurrency, None, int)
-    systems = _csv(args.systems, SYSTEMS)
+    pair_names = commas(args.pairs or ("cpu-tiny" if quick else ",".join(PAIRS)), allowed=PAIRS)
+    wl_names = commas(args.workloads or ("low-effort" if quick else ",".join(W.WORKLOADS)), allowed=W.WORKLOADS)
+    ns = commas(args.concurrency, int)
+    systems = commas(args.systems, allowed=SYSTEMS)
     rpc = args.requests_per_client or 1
     min_req = args.min_requests or (1 if quick else 2)
     out_dir = Path(args.out) if args.out else ROOT / "bench" / "results"
@@ -463,22 +327,6 @@ def main(argv: list[str] | None = None) -> int:
             hfs[pair.name] = HFNaive(pair.small, pair.large, make_rule(pair.policy, pair.policy_args), threads)
     wls = {p.name: {w: W.make(w, quick, vocab=p.vocab) for w in wl_names} for p in pairs}
     plan = [(p, wls[p.name][w], n, s) for p in pairs for w in wl_names for n in ns for s in systems]
-
-    est = None
-    if not (quick or args.no_estimate):
-        print("calibrating (short runs at N=1 and N=4) ...", flush=True)
-        cal = calibrate(pairs, systems, opts_by_pair, hfs)
-        est = estimate(plan, cal, opts_by_pair)
-        print(f"expected duration: ~{est / 60:.0f} min for {len(plan)} runs "
-              f"(calibration took {time.perf_counter() - t_start:.0f} s)", flush=True)
-        if args.estimate_only:
-            per = {}
-            for p, w, n, sy in plan:
-                per[(p.name, w.name)] = per.get((p.name, w.name), 0.0) + estimate([(p, w, n, sy)], cal, opts_by_pair)
-            for (p, w), sec in per.items():
-                print(f"  {p} {w}: ~{sec / 60:.1f} min")
-            print(json.dumps(cal, indent=1))
-            return 0
 
     path = out_dir / f"{name}.json"
     results: dict = {}
@@ -549,7 +397,6 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": compute_ratios(results),
         "ratios_by_workload": ratios_by_workload(results),
         "outside_cores": _outside_summary(results),
-        "estimate_s": est,
         "sweep_s": sweep_s,
         "duration_s": time.perf_counter() - t_start,
     }
@@ -563,15 +410,179 @@ def main(argv: list[str] | None = None) -> int:
     data["config"]["requests_per_client_by_block"] = blocks
     if prev:
         data["config"]["merged_from_earlier_invocations"] = True
-    data["json_path"] = str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+    data["json_path"] = rel(path)
     path.write_text(json.dumps(data, indent=2, default=str))
-    from bench import plots, report
-    pngs = plots.make_all(data, out_dir, name)
-    report.write(data, md, [p.relative_to(md.parent) if p.is_relative_to(md.parent) else p for p in pngs])
-    print(report.ratio_table(data["ratios"]))
-    print(f"wrote {path}, {md} and {len(pngs)} plots in {data['duration_s']:.0f} s"
-          + (f" (estimated {est:.0f} s)" if est else ""), flush=True)
+    write_report(data, out_dir, name, md)
+    print(ratio_table(data["ratios"]))
+    print(f"wrote {path}, {md} and the plots in {data['duration_s']:.0f} s", flush=True)
     return 0
+
+
+# -- the report: a run's tables -------------------------------------------------------------------------
+def _f(x, nd: int = 1, scale: float = 1.0) -> str:
+    return "-" if x is None else f"{x * scale:.{nd}f}"
+
+
+def ratio_table(ratios: list[dict]) -> str:
+    lines = ["| ratio (cpu-tiny, random p=0.35, same run) | measured | target | met? | by how much |",
+             "|---|---|---|---|---|"]
+    for r in ratios:
+        v = r.get("value")
+        if v is None:
+            lines.append(f"| {r['name']} | not measured | >= {r['target']:g}x | - | - |")
+            continue
+        margin = r["margin_pct"]
+        verdict = "met" if r["met"] else "**missed**"
+        how = f"{margin:+.0f}% vs target" if r["met"] else f"{-margin:.0f}% short ({v:.2f}x of {r['target']:g}x)"
+        lines.append(f"| {r['name']} ({r['numerator']} / {r['denominator']}) | {v:.2f}x | >= {r['target']:g}x | "
+                     f"{verdict} | {how} |")
+    return "\n".join(lines)
+
+
+def results_table(data: dict, pair: str, wl: str) -> str:
+    cell = data["results"][pair][wl]
+    labels = data.get("systems", {})
+    lines = ["| N | system | tok/s | TTFT p50 (ms) | TTFT p90 (ms) | e2e p50 (s) | e2e p90 (s) | per-user tok/s | "
+             "small % | large % | mean batch (small/large) | busy % (small/large) | requests | others' CPU (cores) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for n in sorted(cell, key=int):
+        for s in data["config"]["systems"]:
+            r = cell[n].get(s)
+            if r is None:
+                continue
+            if r.get("error"):
+                lines.append(f"| {n} | {labels.get(s, s)} | error: {r['error'][:80]} |" + " |" * 11)
+                continue
+            frac = r.get("model_fraction") or {}
+            mb = r.get("mean_batch") or {}
+            mbs = "/".join(_f(mb.get(k), 1) for k in ("small", "large") if k in mb)
+            bz = r.get("busy") or {}
+            bzs = "/".join(_f(bz.get(k), 0, 100) for k in ("small", "large") if k in bz)
+            lines.append(f"| {n} | {labels.get(s, s)} | {_f(r['tok_s'])} | {_f(r['ttft_p50'], 0, 1e3)} | "
+                         f"{_f(r['ttft_p90'], 0, 1e3)} | {_f(r['e2e_p50'], 2)} | {_f(r['e2e_p90'], 2)} | "
+                         f"{_f(r.get('per_user_tok_s'))} | {_f(frac.get('small'), 0, 100)} | "
+                         f"{_f(frac.get('large'), 0, 100)} | {mbs or '-'} | {bzs or '-'} | {r.get('requests', '-')} | "
+                         f"{_f(r.get('outside_cores'), 2)} |")
+    return "\n".join(lines)
+
+
+def by_workload_table(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    cols = list(dict.fromkeys((r["pair"], r["workload"]) for r in rows))
+    val = {(r["name"], r["pair"], r["workload"]): r["value"] for r in rows}
+    lines = ["| ratio | target | " + " | ".join(f"{p} {w}" for p, w in cols) + " |",
+             "|---|---|" + "---|" * len(cols)]
+    tgt = {r["name"]: r["target"] for r in rows}
+    for n in names:
+        lines.append(f"| {n} | >= {tgt[n]:g}x | " + " | ".join(_f(val.get((n, p, w)), 2) + ("x" if (n, p, w) in val else "")
+                                                          for p, w in cols) + " |")
+    return "\n".join(lines)
+
+
+def _system_of(spec: str) -> tuple[str, str]:
+    s, n = spec.split("@N=")
+    return s, n
+
+
+def breakdown_table(data: dict) -> str:
+    """For every ratio: where each side's time went (from the run's own counters)."""
+    lines = ["| ratio | system @ N | tok/s | mean batch (small/large) | step ms (small/large) | busy % (small/large) | "
+             "tokens computed per output token (small/large) |", "|---|---|---|---|---|---|---|"]
+    any_row = False
+    for r in data["ratios"]:
+        cell = data["results"].get(r["pair"], {}).get(r["workload"], {})
+        for spec in (r["numerator"], r["denominator"]):
+            s, n = _system_of(spec)
+            row = cell.get(n, {}).get(s)
+            if not row or row.get("error"):
+                continue
+            any_row = True
+            pick = lambda d, nd=1, sc=1.0: "/".join(_f((d or {}).get(k), nd, sc) for k in ("small", "large") if k in (d or {})) or "-"
+            tc = row.get("tokens_computed")
+            per = {k: v / max(1, row["tokens"]) for k, v in tc.items()} if tc else None
+            lines.append(f"| {r['name']} | {data.get('systems', {}).get(s, s)} @ {n} | {_f(row['tok_s'])} | "
+                         f"{pick(row.get('mean_batch'))} | {pick(row.get('step_ms'))} | {pick(row.get('busy'), 0, 100)} | "
+                         f"{pick(per, 2)} |")
+    return "\n".join(lines) if any_row else ""
+
+
+def render(data: dict, pngs: list | None = None, notes: str | None = None) -> str:
+    m, c = data["machine"], data["config"]
+    title = "quick run (tiny settings: the figures are not meaningful)" if c.get("quick") else "full sweep"
+    la = lambda x: " ".join(f"{v:.2f}" for v in x) if x else "-"
+    out = [f"# aiorouter benchmark: {title}", "",
+           "Generated by `python -m bench.run` from "
+           f"`{data.get('json_path', 'bench/results/' + ('quick' if c.get('quick') else 'full') + '.json')}`.", "",
+           f"- machine: {m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')}, Python {m.get('python')}",
+           f"- commit: `{m.get('commit')}`, {m.get('time')}",
+           f"- load average at start: {la(m.get('load_avg_start'))}; at end: {la(m.get('load_avg_end'))} "
+           "(1, 5, 15 min; the CPU is shared, so figures above ~1.5 carry others' load)",
+           "- other processes' CPU use during the runs (cores, measured from /proc/stat minus this process): "
+           + (", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in data["outside_cores"].items())
+              if data.get("outside_cores") else "-"),
+           (f"- this invocation's sweep: {data.get('sweep_s', 0) / 60:.1f} min (the tables also hold blocks "
+            "measured by earlier invocations, merged)" if c.get("merged_from_earlier_invocations")
+            else f"- sweep: {data.get('sweep_s', 0) / 60:.1f} min") +
+           (f" (estimated {data['estimate_s'] / 60:.1f} min)" if data.get("estimate_s") else ""),
+           "- closed loop: " + (", ".join(f"{b} {v}" for b, v in c["requests_per_client_by_block"].items()) + " "
+                                if len(set(c.get("requests_per_client_by_block", {}).values())) > 1
+                                else f"{c['requests_per_client']} ")
+           + f"request(s) per client, at least {c['min_requests']} per run; "
+           f"greedy, fixed output lengths (ignore_eos); KV memory {c['kv_memory_gb']} GB per system",
+           "- threads: " + "; ".join(f"{k}: {v}" for k, v in c["threads"].items() if k != "hf-naive")
+           + "; hf-naive: " + "; ".join(f"{p}: {v}" for p, v in (c["threads"].get("hf-naive") or {}).items()),
+           "- pairs: " + "; ".join(f"{p}: small `{Path(v['small']).name}`, large `{Path(v['large']).name}`, "
+                                   f"{v['policy']} {v['policy_args']}" for p, v in data["pairs"].items()),
+           "- workloads: " + "; ".join(f"{w}: {v['description']}" for w, v in data["workloads"].items()),
+           "", "## Targets", "", ratio_table(data["ratios"]), ""]
+    bd = breakdown_table(data)
+    if bd:
+        out += ["### Where the time goes (each ratio's two sides)", "",
+                "busy = share of the measured run a model's worker spent inside steps; tokens computed = tokens a "
+                "model ran through its layers (prompt prefill and catch-up extends included) per output token.", "",
+                bd, ""]
+    bw = by_workload_table(data.get("ratios_by_workload") or [])
+    if bw:
+        out += ["## The same ratios on every pair and workload (context)", "",
+                "Every pair routes with its own policy (the header's `pairs` line), so the token fractions "
+                "differ from cpu-tiny's.", "", bw, ""]
+    for pair, wls in data["results"].items():
+        for wl in wls:
+            out += [f"## {pair}, {wl}", "", results_table(data, pair, wl), ""]
+    if pngs:
+        out += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in pngs] + [""]
+    if notes:
+        out += [notes.strip(), ""]
+    return "\n".join(out)
+
+
+def write_report(data: dict, out_dir: Path, name: str, md: Path) -> None:
+    """A run's plots as `out_dir`/`name`-*.png and its tables as `md`, which links them."""
+    from bench import plots
+    pngs = plots.make_all(data, out_dir, name)
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text(render(data, [p.relative_to(md.parent) if p.is_relative_to(md.parent) else p for p in pngs],
+                         data.get("notes")))
+
+
+def report(argv: list[str]) -> int:
+    """`python -m bench.run report RUN.json [TABLES.md]`: a saved run's tables (default: beside it) and plots."""
+    ap = argparse.ArgumentParser(prog="python -m bench.run report", description=report.__doc__)
+    ap.add_argument("json", type=Path, nargs="?", default=ROOT / "bench" / "results" / "full.json")
+    ap.add_argument("md", type=Path, nargs="?", default=None)
+    args = ap.parse_args(argv)
+    data = json.loads(args.json.read_text())
+    data.setdefault("json_path", str(args.json))
+    md = args.md or args.json.with_suffix(".md")
+    write_report(data, args.json.parent, args.json.stem, md)
+    print(md)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return subcommands(argv, sweep, report=report)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,12 @@
 
 Starts `aiorouter serve` on the cpu-tiny pair (with SmolLM2's tokenizer, bench/common.py) as a real
 subprocess, with a test-only fault plan (aiorouter/faults.py), and drives it through the `openai`
-client from 32 concurrent loops (bench/soak_load.py: chat and completions, streaming or not,
-shared long prefixes, 10% client disconnects, routing overrides, bad requests, marked requests that
-fail on purpose) plus bursts of long prompts that drive the large model's KV pool dry. Meanwhile
+client from 32 concurrent loops plus bursts of long prompts that drive the large model's KV pool
+dry. A loop's request is one of: a normal chat or completion (streaming or not, text or token ids,
+short, medium or long behind a shared prefix, sometimes with a routing override, a stop string or
+a seed), 10% of them abandoned by the client mid-way; a bad request (must get a 4xx); or a request
+marked for a fault by the server's fault plan (must end with the error that fault causes, naming
+the model). A burst is long distinct prompts that must all complete. Meanwhile
 it samples the server's RSS (/proc) and /metrics every 2 s and its /health every second. After
 the load it waits for the server to drain, reads the KV pages still in use, flushes the prefix
 cache (POST /reset_prefix_cache) and reads them again, then stops the server with SIGTERM.
@@ -16,7 +19,7 @@ whose retention of freed step-sized tensors reads as RSS growth). Before the war
 so their first fill would otherwise read as RSS growth).
 
 Writes DIR/soak.json (the figures, the checks, the timelines), DIR/soak.png, DIR/soak-server.log, and
-the figures as a block of bench/RESULTS.md (bench/soak_report.py; --quick: DIR/RESULTS-soak-quick.md).
+the figures and checks as DIR/soak.md (`--render DIR/soak.json` writes it again from a saved run).
 Exits 1 when a check fails. `--quick` is 2 minutes of load after a 60 s warm-up (tests/test_soak.py).
 """
 from __future__ import annotations
@@ -25,36 +28,248 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 import openai
 
-from bench import soak_load as L
-from bench.common import (
-    RESULTS,
-    ROOT,
-    free_port,
-    machine,
-    tiny_chat_qwen3,
-    wait_healthy,
-)
+from bench.common import RESULTS, ROOT, free_port, machine, rel, tiny_chat_qwen3, wait_healthy
 
 CONCURRENCY = 32
 # The server's glibc malloc. "stock": as `aiorouter serve` runs by default. "bounded": two arenas and a
-# fixed mmap threshold, so a freed tensor of 1 MiB or more goes back to the OS. On the loaded 2-core
-# machine (--quick, 20 s warm-up) stock showed +9% and +13% first to last minute, rising during the
-# drain while requests fell; bounded ran ~300 MB lower, at +1.1% (84 requests), +4.5% (131) and +7%
-# (354). With a 60 s warm-up, bounded still showed +14% (199 requests): the growth is not understood
-# yet. The Python heap stays flat (tracemalloc and gc counts over 600 router requests), the KV pools
-# are written before the warm-up, and asyncio tasks do not grow, so it is native memory.
+# fixed mmap threshold, so a freed tensor of 1 MiB or more goes back to the OS. The RSS check is for
+# leaks: with stock, glibc's retention of freed step-sized tensors reads as growth (2-minute runs on
+# the loaded 2-core machine: +9 % and +13 % first to last minute; bounded ran ~300 MB lower).
 MALLOC = {"stock": {}, "bounded": {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}}
 
+
+# -- the load: one mixed request at a time, each with the outcome it was meant to have -----------------
+MODEL = "aiorouter"
+AFTER = 2  # output tokens a marked request commits before its fault fires (the plan's `after`)
+# fault kind -> the error it must end with; the markers start with ids no random prompt begins with
+EXPECTED = {"step": "failed a step: InjectedFault", "nan": "produced non-finite logits (NaN or inf)",
+            "inf": "produced non-finite logits (NaN or inf)", "route": "raised in route on model",
+            "send": "raised in send on model", "receive": "raised in receive on model"}
+MARKERS = {kind: [49101, 49102, 49110 + i] for i, kind in enumerate(EXPECTED)}
+OVERRIDES = [{"policy": "rstitch", "tau": 0.5}, {"policy": "random", "p": 0.1}, {"policy": "single"},
+             {"policy": "random", "p": 0.6}]
+WORDS = ("the a of to and in is it that for on with as was at by an be this from or have not are but what all "
+         "were when we there can your which their said if do will each about how up out them then she many some "
+         "so these would other into has more her two like him see time could no make than first been its who now "
+         "people my made over did down only way find use may water long little very after words called just where "
+         "most know get through back much go good new write our me man too any day same right look think also "
+         "around another came come work three word must because does part even place well such here take why "
+         "things help put years different away again off went old number great tell men say small every found "
+         "still between name should home big give air line set own under read last never us left end along while "
+         "might next sound below saw something thought both few those always looked show large often together "
+         "asked house world going want school important until form food keep children feet land side without boy "
+         "once animals life enough took sometimes four head above kind began almost live page got earth need far "
+         "hand high year mother light parts country father let night following picture being study second eyes "
+         "soon times story boys since white days ever paper hard near sentence better best across during today "
+         "others however sure means knew its try told young miles sun ways thing whole hear example heard several "
+         "change answer room sea against top turned learn point city play toward five using himself usually").split()
+
+
+@dataclass
+class Outcome:
+    kind: str  # "normal" | "burst" | "bad" | "fault"
+    result: str  # "completed" | "disconnected" | "rejected" | "injected" | "failed" | "not_fired"
+    t_end: float  # perf_counter at the end
+    latency: float  # seconds, send to last byte
+    ttft: float | None = None
+    detail: str = ""  # for a failure: what happened
+
+
+class Mix:
+    """Draws requests (seeded: the same mix each run, in an order that timing shuffles)."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        prefix_rng = random.Random(seed + 1)
+        # shared long prefixes: a few "system prompts" many requests start with (the prefix cache's work)
+        self.prefixes = [" ".join(prefix_rng.choice(WORDS) for _ in range(prefix_rng.randrange(200, 300)))
+                         for _ in range(3)]
+        self.fault_turn = 0
+        self.sent = 0
+
+    def words(self, lo: int, hi: int) -> str:
+        return " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randrange(lo, hi)))
+
+    def ids(self, lo: int, hi: int) -> list[int]:
+        return [self.rng.randrange(300, 49000) for _ in range(self.rng.randrange(lo, hi))]
+
+    def text(self) -> str:
+        r = self.rng.random()
+        if r < 0.5:
+            return self.words(3, 30)
+        if r < 0.75:
+            return self.words(30, 120)
+        return self.rng.choice(self.prefixes) + "\n\n" + self.words(5, 30)  # long, behind a shared prefix
+
+    def kind(self) -> str:
+        """One request in 12 is marked for a fault (the kinds in turn: each fires within the first
+        ~75 requests, so a 2-minute run on a loaded machine meets every one), one in 25 is bad."""
+        self.sent += 1
+        return "fault" if self.sent % 12 == 7 else "bad" if self.sent % 25 == 19 else "normal"
+
+    def next_fault(self) -> str:
+        self.fault_turn += 1
+        return list(EXPECTED)[self.fault_turn % len(EXPECTED)]
+
+
+async def normal(client: openai.AsyncOpenAI, mix: Mix, kind: str = "normal", prompt_ids: list[int] | None = None,
+                 routing: dict | None = None, max_tokens: int | None = None) -> Outcome:
+    rng = mix.rng
+    chat = prompt_ids is None and rng.random() < 0.5
+    stream = rng.random() < 0.5
+    disconnect = kind == "normal" and rng.random() < 0.10
+    max_tokens = max_tokens or rng.randrange(4, 32)
+    body: dict = {"ignore_eos": rng.random() < 0.7}
+    if routing is not None or rng.random() < 0.3:
+        body["routing"] = dict(routing or rng.choice(OVERRIDES))
+    kw: dict = {"model": MODEL, "max_tokens": max_tokens, "stream": stream, "extra_body": body}
+    if rng.random() < 0.4:
+        kw["temperature"] = 0.0
+    else:
+        kw.update(temperature=rng.uniform(0.6, 1.0), seed=rng.randrange(1 << 30))
+        if rng.random() < 0.3:
+            kw["top_p"] = 0.9
+    stop = rng.random() < 0.1
+    if stop:
+        kw["stop"] = [rng.choice(WORDS[:20])]
+    if stream:
+        kw["stream_options"] = {"include_usage": True}
+    if chat:
+        call = client.chat.completions.create
+        kw["messages"] = ([{"role": "system", "content": rng.choice(mix.prefixes)}] if rng.random() < 0.3 else []) + \
+            [{"role": "user", "content": mix.text()}]
+    else:
+        call = client.completions.create
+        kw["prompt"] = prompt_ids or (mix.ids(5, 120) if rng.random() < 0.3 else mix.text())
+    exact = body["ignore_eos"] and not stop  # then exactly max_tokens must come back
+    cut_after = rng.randrange(1, 4) if disconnect and stream else None
+    t0 = time.perf_counter()
+    ttft, usage, reason, n_chunks = None, None, None, 0
+    try:
+        if not stream:
+            coro = call(**kw)
+            r = await (asyncio.wait_for(coro, rng.uniform(0.05, 1.0)) if disconnect else coro)
+            usage, reason = r.usage, r.choices[0].finish_reason
+        else:
+            s = await call(**kw)
+            async for chunk in s:
+                if chunk.choices:
+                    n_chunks += 1
+                    ttft = ttft or time.perf_counter() - t0
+                    reason = chunk.choices[0].finish_reason or reason
+                    if cut_after is not None and n_chunks >= cut_after:
+                        await s.close()  # the client goes away mid-stream
+                        return Outcome(kind, "disconnected", time.perf_counter(), time.perf_counter() - t0, ttft)
+                if chunk.usage:
+                    usage = chunk.usage
+    except asyncio.TimeoutError:
+        return Outcome(kind, "disconnected", time.perf_counter(), time.perf_counter() - t0)
+    except openai.APIError as e:
+        return Outcome(kind, "failed", time.perf_counter(), time.perf_counter() - t0, ttft, f"{type(e).__name__}: {e}")
+    t1 = time.perf_counter()
+    bad = None
+    if reason not in ("stop", "length") or usage is None:
+        bad = f"finish_reason {reason!r}, usage {usage!r}"
+    elif usage.completion_tokens > max_tokens or (exact and usage.completion_tokens != max_tokens):
+        bad = f"{usage.completion_tokens} tokens for max_tokens={max_tokens} (exact: {exact})"
+    elif sum(usage.model_extra["per_model"].values()) != usage.completion_tokens:
+        bad = f"per-model counts {usage.model_extra['per_model']} do not add up to {usage.completion_tokens}"
+    return Outcome(kind, "failed" if bad else "completed", t1, t1 - t0, ttft, bad or "")
+
+
+async def fault(client: openai.AsyncOpenAI, mix: Mix) -> Outcome:
+    """A request marked for the next fault kind: it must end with that fault's error."""
+    rng, kind = mix.rng, mix.next_fault()
+    stream = rng.random() < 0.5
+    body: dict = {"ignore_eos": True}
+    if kind in ("send", "receive"):  # these fire on a handoff: make one all but certain
+        body["routing"] = {"policy": "random", "p": 0.9}
+    kw = dict(model=MODEL, prompt=MARKERS[kind] + mix.ids(5, 40), max_tokens=AFTER + 6, stream=stream,
+              temperature=0.0, extra_body=body)
+    t0 = time.perf_counter()
+    chunks = 0
+    try:
+        if stream:
+            async for c in await client.completions.create(**kw):
+                chunks += bool(c.choices and c.choices[0].text)
+        else:
+            await client.completions.create(**kw)
+    except openai.APIError as e:
+        status = getattr(e, "status_code", None)
+        # step, nan, inf and route fire at the step that samples output token AFTER; send and receive
+        # at the first handoff after that, so a request that stays on its model a step longer
+        # (10% a step with p=0.9) streams more tokens first
+        most = AFTER if kind in ("step", "nan", "inf", "route") else kw["max_tokens"] - 1
+        ok = EXPECTED[kind] in e.message and "model '" in e.message and \
+            (status == 500 if not stream else status is None and chunks <= most)
+        return Outcome(f"fault:{kind}", "injected" if ok else "failed", time.perf_counter(), time.perf_counter() - t0,
+                       detail="" if ok else f"{kind}: status {status}, {chunks} chunks: {e.message}")
+    return Outcome(f"fault:{kind}", "not_fired", time.perf_counter(), time.perf_counter() - t0,
+                   detail=f"{kind}: the marked request completed")
+
+
+def bad_requests(mix: Mix) -> list[tuple[str, dict, str]]:
+    """(what, create() arguments, endpoint): each must be refused with a 4xx."""
+    M = MODEL
+    return [
+        ("max_tokens over the context", dict(model=M, prompt="hi", max_tokens=10**9), "completions"),
+        ("unknown field", dict(model=M, prompt="hi", extra_body={"frobnicate": 1}), "completions"),
+        ("unknown routing policy", dict(model=M, prompt="hi", extra_body={"routing": {"policy": "nope"}}), "completions"),
+        ("empty messages", dict(model=M, messages=[]), "chat"),
+        ("token id outside the vocabulary", dict(model=M, prompt=[5, 6, 10**7]), "completions"),
+        ("unknown model", dict(model="gpt-9", prompt="hi"), "completions"),
+        ("n > 1", dict(model=M, messages=[{"role": "user", "content": "hi"}], n=2), "chat"),
+        ("presence penalty", dict(model=M, prompt="hi", presence_penalty=0.5), "completions"),
+        ("negative temperature", dict(model=M, prompt="hi", temperature=-1), "completions"),
+        ("prompt over the context", dict(model=M, prompt=[7] * 9000), "completions"),
+    ]
+
+
+async def bad(client: openai.AsyncOpenAI, mix: Mix) -> Outcome:
+    what, kw, endpoint = mix.rng.choice(bad_requests(mix))
+    call = client.chat.completions.create if endpoint == "chat" else client.completions.create
+    t0 = time.perf_counter()
+    try:
+        await call(**kw)
+        result, detail = "failed", f"bad request ({what}) was accepted"
+    except openai.APIStatusError as e:
+        ok = 400 <= e.status_code < 500 and bool(e.message)
+        result, detail = ("rejected", "") if ok else ("failed", f"bad request ({what}): {e.status_code} {e.message}")
+    except openai.APIError as e:
+        result, detail = "failed", f"bad request ({what}): {type(e).__name__}: {e}"
+    return Outcome("bad", result, time.perf_counter(), time.perf_counter() - t0, detail=detail)
+
+
+async def one(client: openai.AsyncOpenAI, mix: Mix) -> Outcome:
+    kind = mix.kind()
+    if kind == "bad":
+        return await bad(client, mix)
+    if kind == "fault":
+        return await fault(client, mix)
+    return await normal(client, mix)
+
+
+async def burst(client: openai.AsyncOpenAI, mix: Mix, n: int, prompt_len: int) -> list[Outcome]:
+    """`n` long distinct prompts at once, sent on to the large model: its KV pool runs dry, so the
+    scheduler must wait and preempt, and every one of them must still complete."""
+    prompts = [mix.ids(prompt_len, prompt_len + 100) for _ in range(n)]
+    return await asyncio.gather(*(normal(client, mix, "burst", p, {"policy": "random", "p": 0.9}, 12)
+                                  for p in prompts))
+
+
+# -- the soak ------------------------------------------------------------------------------------------
 
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -81,8 +296,8 @@ class Soak:
     def __init__(self, args, url: str, proc: subprocess.Popen):
         self.args, self.url, self.proc = args, url, proc
         self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
-        self.mix = L.Mix(args.seed)
-        self.outcomes: list[L.Outcome] = []
+        self.mix = Mix(args.seed)
+        self.outcomes: list[Outcome] = []
         self.timeline: list[list[float]] = []  # [t, rss MB, kv used small, large, kv cached small, large, active, loop tasks]
         self.health = {"checks": 0, "failures": 0, "max_latency_s": 0.0, "errors": []}
         self.kv_peak: dict[str, int] = {}
@@ -138,16 +353,16 @@ class Soak:
     async def worker(self) -> None:
         while time.perf_counter() < self.stop_at:
             try:
-                self.outcomes.append(await L.one(self.client, self.mix))
+                self.outcomes.append(await one(self.client, self.mix))
             except Exception as e:  # a bug on this side still counts, and the loop goes on
-                self.outcomes.append(L.Outcome("client", "failed", time.perf_counter(), 0.0, detail=f"client: {e!r}"))
+                self.outcomes.append(Outcome("client", "failed", time.perf_counter(), 0.0, detail=f"client: {e!r}"))
 
     async def bursts(self, every_s: float, n: int, prompt_len: int) -> None:
         """A burst every `every_s` from `every_s / 2` on, on the clock: a slow burst does not push the
         next one later (or past the end of the load)."""
         async def one() -> None:
             print(f"[{time.perf_counter() - self.t_load:6.0f}s] KV burst: {n} prompts of ~{prompt_len} tokens", flush=True)
-            self.outcomes.extend(await L.burst(self.client, self.mix, n, prompt_len))
+            self.outcomes.extend(await burst(self.client, self.mix, n, prompt_len))
 
         tasks, t = [], self.t_load + every_s / 2
         while t < self.stop_at - 20:
@@ -190,7 +405,7 @@ class Soak:
 
         async def one(routing: dict) -> None:
             async with sem:
-                await self.client.completions.create(model=L.MODEL, prompt=self.mix.ids(n_tok, n_tok + 1), max_tokens=1,
+                await self.client.completions.create(model=MODEL, prompt=self.mix.ids(n_tok, n_tok + 1), max_tokens=1,
                                                      extra_body={"routing": routing})
         # random p=1: the one token is sampled on the small model, then the large one prefills it all
         await asyncio.gather(*([one({"policy": "random", "p": 1.0}) for _ in range(n_large)] +
@@ -296,7 +511,7 @@ class Soak:
         kinds_fired = {k.split(":")[1] for k, v in by_kind.items() if k.startswith("fault:") and v.get("injected")}
         checks = {
             "no failures but the injected ones": c["failed"] == 0,
-            "every marked request failed as planned": c["not_fired"] == 0 and kinds_fired == set(L.EXPECTED),
+            "every marked request failed as planned": c["not_fired"] == 0 and kinds_fired == set(EXPECTED),
             "no KV page in use after drain": drained and sum(used_after.values()) == 0,
             "the prefix cache held pages, and gave them all back on flush":
                 sum(cached_after.values()) > 0 and sum(cached_flush.values()) == 0 and sum(used_flush.values()) == 0,
@@ -338,7 +553,7 @@ async def main_async(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plan = out / "soak-fault-plan.json"
-    plan.write_text(json.dumps({"markers": L.MARKERS, "after": L.AFTER}))
+    plan.write_text(json.dumps({"markers": MARKERS, "after": AFTER}))
     small, large = tiny_chat_qwen3("small"), tiny_chat_qwen3("large")
     port = free_port()
     log = open(out / "soak-server.log", "w")
@@ -347,7 +562,6 @@ async def main_async(args) -> int:
            "--port", str(port), "--inject-faults", str(plan), "--grace", "30"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.update(MALLOC[args.malloc])
-    env.update(kv.split("=", 1) for kv in args.server_env)
     print("server:", " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     try:
@@ -365,13 +579,61 @@ async def main_async(args) -> int:
         log.close()
     (out / "soak.json").write_text(json.dumps(data, indent=1))
     from bench.plots import soak as plot
-    from bench.soak_report import write as write_md
     plot(data, out / "soak.png")
-    md = Path(args.md) if args.md else out / "RESULTS-soak-quick.md" if args.quick else ROOT / "bench" / "RESULTS.md"
-    write_md(data, md, out / "soak.json", out / "soak.png")
-    print(f"wrote {out / 'soak.json'}, {out / 'soak.png'} and the soak block of {md}", flush=True)
+    md = write_md(data, out / "soak.json", out / "soak.png")
+    print(f"wrote {out / 'soak.json'}, {out / 'soak.png'} and {md}", flush=True)
     print(summary(data), flush=True)
     return 0 if data["ok"] else 1
+
+
+def _range(d: dict, key: str) -> str:
+    xs = [w[key] for w in d["latency_windows"] if w[key] is not None]
+    return f"{min(xs):.1f}-{max(xs):.1f}" if xs else "-"
+
+
+def markdown(d: dict, json_path: Path, png_path: Path | None, md_dir: Path) -> str:
+    """The figures and checks of a run, as soak.md (links relative to `md_dir`, its folder)."""
+    m, kv = d["machine"], d["kv"]
+    load = "/".join(f"{x:.2f}" for x in m.get("load_avg", []))
+    rss_min = d["rss_minute_medians_mb"]
+    growth = "-" if d["rss_growth"] is None else f"{100 * d['rss_growth']:+.1f}%"
+    out = ["# Soak: mixed load with failures on purpose", "",
+           f"_Generated by `python -m bench.soak`; raw data: `{rel(json_path)}`._", "",
+           f"{d['load_s'] / 60:g} minutes of load after a {d['warmup_s']:g} s warm-up, concurrency {d['concurrency']}, "
+           f"commit {m.get('commit', '?')[:10]}, {m.get('cores', '?')} cores, load average at the end {load} "
+           f"(other processes share the cores: latencies are this machine's, not the runtime's). Server malloc: "
+           f"{d['config'].get('malloc', 'stock')} (bench/soak.py, MALLOC).", "",
+           "| figure | value |", "|---|---|",
+           f"| requests sent | {d['requests_sent']} |",
+           f"| completed | {d['completed']} |",
+           f"| disconnected by the client (10% of normal requests) | {d['disconnected']} |",
+           f"| bad requests refused (4xx) | {d['bad_requests_refused']} |",
+           f"| failed on purpose (injected faults, each with its expected error) | {d['failed_injected']} |",
+           f"| **failed otherwise** | **{d['failed_other']}** |",
+           f"| KV pages in use after drain (neither a request nor the prefix cache) | {d['kv_pages_in_use_after_drain']} |",
+           f"| prefix-cache pages after drain -> freed by `POST /reset_prefix_cache` | "
+           f"{kv['cached_after_drain']} -> {kv['pages_freed_by_flush']} (left: {kv['cached_after_flush']}) |",
+           f"| KV pages per pool / peak in use / preemptions | {kv['total']} / {kv['peak_used']} / {kv['preemptions']} |",
+           f"| RSS at start / end of the load (MB) | {d['rss_start_mb']} / {d['rss_end_mb']} |",
+           f"| RSS per-minute medians, first -> last (MB) | {rss_min[0] if rss_min else '-'} -> "
+           f"{rss_min[-1] if rss_min else '-'} ({growth}) |",
+           f"| /health failures / checks (slowest answer) | {d['health']['failures']} / {d['health']['checks']} "
+           f"({d['health']['max_latency_s']} s) |",
+           f"| router subserver tasks at the end | {d['router_tasks']} |",
+           f"| event-loop tasks, idle before / after | {d['event_loop_tasks']['start']} / {d['event_loop_tasks']['end']} |",
+           f"| latency of normal requests, p50 / p99 over one-minute windows (s) | {_range(d, 'p50_s')} / "
+           f"{_range(d, 'p99_s')} |"]
+    out += ["", "Checks:", ""] + [f"- {'ok' if v else '**FAILED**'}: {k}" for k, v in d["checks"].items()]
+    if png_path is not None:
+        # a link is read from the page's own folder, not from the repository root
+        out += ["", f"![latency, RSS and KV pages over time]({rel(png_path, md_dir)})"]
+    return "\n".join(out) + "\n"
+
+
+def write_md(d: dict, json_path: Path, png_path: Path | None) -> Path:
+    md = json_path.with_suffix(".md")
+    md.write_text(markdown(d, json_path, png_path, md.parent))
+    return md
 
 
 def summary(d: dict) -> str:
@@ -416,20 +678,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--malloc", choices=list(MALLOC), default="bounded",
                     help="the server's glibc malloc settings (see MALLOC in this file); the RSS check is for "
                          "leaks, so it runs with 'bounded' unless told; 'stock' shows allocator retention too")
-    ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
-                    help="an environment variable for the server (repeat), e.g. glibc's MALLOC_ARENA_MAX=2 "
-                         "to tell allocator retention from a leak")
-    ap.add_argument("--md", default=None, help="the file for the figures' block (default bench/RESULTS.md; "
-                    "--quick: DIR/RESULTS-soak-quick.md)")
     ap.add_argument("--render", type=Path, default=None, metavar="SOAK_JSON",
-                    help="run nothing: write a saved run's block into --md (default bench/RESULTS.md)")
+                    help="run nothing: write a saved run's soak.md beside it again")
     args = ap.parse_args(argv)
     if args.render is not None:
-        from bench.soak_report import write as write_md
-        md = Path(args.md) if args.md else ROOT / "bench" / "RESULTS.md"
         png = args.render.with_name("soak.png")
-        write_md(json.loads(args.render.read_text()), md, args.render, png if png.is_file() else None)
-        print(f"wrote the soak block of {md}")
+        print(f"wrote {write_md(json.loads(args.render.read_text()), args.render, png if png.is_file() else None)}")
         return 0
     if args.quick:
         # a burst in each minute (at 30 s and 90 s): the first and last minutes' RSS compare like with like

@@ -20,8 +20,7 @@ from unittest import mock
 
 from aiorouter import Router, RouterConfig
 from bench import workloads as W
-from bench.common import write_json
-from bench.run import PAIRS, load_pair
+from bench.common import PAIRS, commas, load_pair, write_json
 
 
 async def start_once(pair, cap: int) -> dict:
@@ -52,10 +51,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pair", default=",".join(PAIRS))
     ap.add_argument("--cap", type=int, default=16, help="tune_concurrency: the largest N solved for")
     args = ap.parse_args(argv)
-    names = args.pair.split(",")
-    unknown = [p for p in names if p not in PAIRS]
-    if unknown or args.cap < 1:
-        ap.error(f"pairs must be among {', '.join(PAIRS)} (got {unknown}) and --cap >= 1")
+    names = commas(args.pair, allowed=PAIRS)
+    if args.cap < 1:
+        ap.error("--cap must be >= 1")
     out = {"cap": args.cap, "pairs": {}}
     for name in names:
         pair = load_pair(name)  # its models built or found in the real cache first

@@ -9,8 +9,7 @@ from pathlib import Path
 import torch
 
 from bench import workloads as W
-from bench.baselines import HFNaive, RandomRule, RStitchRule
-from bench.std_serving import StdServing
+from bench.baselines import HFNaive, RandomRule, RStitchRule, StdServing
 from engines import Engine
 
 
@@ -74,7 +73,7 @@ async def test_std_serving_fresh_request_per_token(tiny_qwen3):
                 traces[i].append(m)
 
         await asyncio.gather(*(one(i) for i in range(len(prompts))))
-        stats = std.stats()
+        stats = await std.stats()
     want = _engine_greedy(tiny_qwen3, prompts, 12)
     assert outs == want
     n_large = sum(t.count("large") for t in traces)

@@ -1,4 +1,4 @@
-"""rstitch's tau for a real pair (bench/tau.py): the chain's large-model share, and a calibration
+"""rstitch's tau for a real pair (bench/common.py, calibrate): the chain's large-model share, and a calibration
 on real engines that lands near its target."""
 import os
 import shutil
@@ -6,8 +6,8 @@ import shutil
 import numpy as np
 import pytest
 
-import bench.tau
-from bench.tau import calibrate, large_share
+import bench.common
+from bench.common import calibrate, large_share
 
 
 def test_large_share_is_the_two_state_chain():
@@ -37,7 +37,7 @@ def test_calibration_is_cached_per_checkpoints_and_arguments(tiny_qwen3, tmp_pat
 
     def no_decoding(*a, **k):
         raise AssertionError("decoded again")
-    monkeypatch.setattr(bench.tau, "entropies", no_decoding)
+    monkeypatch.setattr(bench.common, "entropies", no_decoding)
     assert calibrate(model, model, prompts, target=0.35, steps=6, cache=cache) == first
     with pytest.raises(AssertionError, match="decoded again"):  # another target is another entry
         calibrate(model, model, prompts, target=0.5, steps=6, cache=cache)

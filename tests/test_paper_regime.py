@@ -1,4 +1,4 @@
-"""Std. Serving as the paper built it (bench/std_serving.py, bench/token_server.py) and the sweep that
+"""Std. Serving as the paper built it (bench/baselines.py, in process and over HTTP) and the sweep that
 compares it in the paper's regime (bench/paper_regime.py): the per-token protocol over HTTP computes
 what aiorouter computes, routes as the in-process dispatcher does, and the sweep writes its schema."""
 from __future__ import annotations
@@ -12,8 +12,7 @@ import numpy as np
 import torch
 
 from aiorouter import Router, RouterConfig
-from bench.std_serving import EngineServer, StdServing, TokenDispatcher
-from bench.token_server import ServerProcesses, ServerSpec
+from bench.baselines import EngineServer, ServerProcesses, ServerSpec, StdServing, TokenDispatcher
 from engines import Engine, EngineConfig
 from policies import RandomPolicy, RStitchPolicy
 
@@ -136,5 +135,5 @@ def test_paper_regime_quick_schema(tmp_path):
     assert change["value"] >= 0 and change["met"] in (True, False)
     assert data["length_scaling"] and data["paper_side_by_side"][0]["pair"] == "sim"
     text = md.read_text()
-    assert "<!-- paper-regime:begin -->" in text and "| figure | paper" in text and "Table 10" in text
+    assert text.startswith("# The paper's regime") and "| figure | paper" in text and "Table 10" in text
 

@@ -41,7 +41,7 @@ from bench.common import RESULTS, OutsideLoad, cache_dir, machine
 from bench.modes.cycles import interleaved_at, interleaved_policy_args
 from bench.modes.interleaved import race_read
 from bench.modes.model import predicted_for, profile_pair
-from bench.run import PAIRS, load_pair
+from bench.common import PAIRS, load_pair
 
 
 def summarise(n: int, results: dict, pred: dict, sweep: dict) -> dict:

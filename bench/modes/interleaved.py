@@ -23,7 +23,7 @@ import numpy as np
 
 from aiorouter import Router
 from aiorouter.metrics import SPANS_KEPT
-from bench.run import tokens_computed
+from bench.common import tokens_computed
 
 
 class SteadyLoop:
