@@ -23,7 +23,6 @@ import asyncio
 import cProfile
 import json
 import os
-import platform
 import pstats
 import statistics
 import subprocess
@@ -130,14 +129,6 @@ def measure(tree: Path | None, kind: str, mode: str, n: int, tokens: int) -> dic
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def machine() -> str:
-    try:
-        names = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")]
-        return f"{names[0]}, {len(names)} CPUs"
-    except (OSError, IndexError):
-        return f"{platform.machine()}, {os.cpu_count()} CPUs"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", default="16,64,256")
@@ -153,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         args.n = int(args.n)
         return child(args)
+    from bench.common import machine  # (the parent only: a child imports nothing but the runtime it measures)
 
     sides = {"this": None} if args.against is None else {"this": None, "other": args.against.resolve()}
     rows = []
