@@ -53,7 +53,7 @@ class RequestTable:
         self.metrics.models[name].tokens_committed += 1
         if req.t_first_token is None:
             req.t_first_token = time.perf_counter()
-        req.events.put_nowait(StreamEvent(token, c.text, name, req.num_output_tokens - 1, c.finish_reason))
+        req.events.push(StreamEvent(token, c.text, name, req.num_output_tokens - 1, c.finish_reason))
         if c.finish_reason is not None:
             self._end(req)
 
@@ -70,7 +70,7 @@ class RequestTable:
             except Exception as e:  # the held-back text would not decode
                 self.fail(req, RouterError(f"ending the request failed while detokenizing its last text: {e!r}"))
                 return
-            req.events.put_nowait(StreamEvent(None, text, None, req.num_output_tokens, reason))
+            req.events.push(StreamEvent(None, text, None, req.num_output_tokens, reason))
             self._end(req)
 
     def fail(self, req: RouterRequest, err: BaseException) -> None:
@@ -79,7 +79,7 @@ class RequestTable:
         req.error = err if isinstance(err, RouterError) else RouterError(str(err))
         self._close_output(req, "error")
         self.metrics.requests_failed += 1
-        req.events.put_nowait(req.error)
+        req.events.push(req.error)
         self._end(req)
 
     def abort(self, req: RouterRequest) -> None:

@@ -126,7 +126,7 @@ class Router:
         if self.tuning is not None:
             from engines.profile import profile_dispatched_latency
             # timed from the loop: the hop to the worker and back is part of every step the chain models
-            await self.tuning.start([lambda sizes, s=s: profile_dispatched_latency(s.engine, s.executor, sizes)
+            await self.tuning.start([lambda sizes, s=s: profile_dispatched_latency(s.engine, s.worker, sizes)
                                      for s in self.subservers], lambda cap: self._profile_contention(cap, threads))
         self._dead_event, self.dead, self._down, self._restarts = asyncio.Event(), None, {}, []
         self._tasks = [self._run_subserver(s) for s in self.subservers]
@@ -184,7 +184,7 @@ class Router:
         heavy = max(range(len(engines)), key=lambda i: (engines[i].num_params, -i))
         share = self._core_share
         return await asyncio.to_thread(profile_contention, engines, contention_pairs(len(engines), cap, heavy),
-                                       threads=threads, executors=[s.executor for s in self.subservers],
+                                       threads=threads, executors=[s.worker for s in self.subservers],
                                        wrap=share.step_fn if share is not None else None,
                                        cache_dir=cache_dir() / "contention")
 
@@ -445,26 +445,31 @@ class Router:
         """The events of a submitted request; closing this iterator early aborts the request."""
         try:
             while True:
-                ev = await req.events.get()
-                if isinstance(ev, BaseException):
-                    raise ev
-                yield ev
-                if ev.finish_reason is not None:
-                    return
+                for ev in await req.events.take():
+                    if isinstance(ev, BaseException):
+                        raise ev
+                    yield ev
+                    if ev.finish_reason is not None:
+                        return
         finally:
             self._requests.abort(req)
 
     async def generate(self, prompt: Prompt, **kwargs: Any) -> GenerateResult:
         """The whole answer at once; `prompt` and `kwargs` as in `stream`."""
         req = self.submit(prompt, **kwargs)
+        try:
+            evs = await req.events.take(whole=True)  # woken once, at the end
+        finally:
+            self._requests.abort(req)  # (a no-op when it ended; a caller cancelled aborts it)
         ids, models, text, reason = [], [], [], ""
-        async with contextlib.aclosing(self.events(req)) as events:
-            async for ev in events:
-                if ev.token_id is not None:
-                    ids.append(ev.token_id)
-                    models.append(ev.model)
-                text.append(ev.text)
-                reason = ev.finish_reason or reason
+        for ev in evs:
+            if isinstance(ev, BaseException):
+                raise ev
+            if ev.token_id is not None:
+                ids.append(ev.token_id)
+                models.append(ev.model)
+            text.append(ev.text)
+            reason = ev.finish_reason or reason
         n_prompt = req.num_prompt_tokens
         usage = {"prompt_tokens": n_prompt, "completion_tokens": len(ids), "total_tokens": n_prompt + len(ids),
                  "per_model": {n: models.count(n) for n in self.names}}

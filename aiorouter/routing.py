@@ -5,7 +5,7 @@ post to the peer's inbox) is here too. A policy that raises fails the request it
 the model: route is asked again per request, send and receive fail their request alone."""
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from typing import Callable
 
 import torch
 
@@ -13,7 +13,9 @@ from aiorouter.launch import LaunchControl
 from aiorouter.request import Handoff, RouterError, RouterRequest
 from aiorouter.requests import RequestTable
 from engines import Engine, Sequence
-from engines.runner import ForwardOutput, ScheduledSeq
+from engines.engine import Decided
+from engines.runner import ForwardOutput
+from engines.worker import Worker
 from policies.base import STAY, PeerReq, Policy, ReqView, StepResult
 
 RouteObserver = Callable[[int, int, int], None]  # (from model, to model, tokens committed)
@@ -21,50 +23,49 @@ RouteObserver = Callable[[int, int, int], None]  # (from model, to model, tokens
 
 class Routing:
     def __init__(self, index: int, name: str, engine: Engine, launch: LaunchControl, requests: RequestTable,
-                 vocab_size: int, in_worker: Callable[..., Awaitable[Any]], observe: RouteObserver | None = None):
+                 vocab_size: int, worker: Worker, observe: RouteObserver | None = None):
         """`vocab_size`: the output rows that are tokens (rows past it are the policy's, never
-        sampled); `in_worker`: runs fn(*args) in the model's worker thread (a policy's heavy route)."""
+        sampled); `worker`: the model's worker thread (where a policy's heavy route runs)."""
         self.index, self.name, self.engine, self.launch, self.requests = index, name, engine, launch, requests
-        self.vocab_size, self.in_worker, self.observe = vocab_size, in_worker, observe
-
-    def needs_hidden(self, batch: list[ScheduledSeq]) -> bool:
-        """The step must return hidden states: a policy of the batch reads them."""
-        return any(s.user_data.policy.needs_hidden for s, _ in batch)
+        self.vocab_size, self.worker, self.observe = vocab_size, worker, observe
 
     # -- a step's batch --------------------------------------------------------------------------
-    async def route(self, out: ForwardOutput, rows: list[int]) -> list[tuple[Sequence, int]]:
+    async def route(self, out: ForwardOutput, rows: list[int]) -> Decided:
         """The policy decides for each of `rows` (requests with a per-request policy are routed
-        apart) -> the (sequence, token)s that stay here, for the engine to commit in one call;
-        the others are handed off."""
-        groups: dict[int, list[int]] = {}
+        apart) -> the (sequence, token)s that stay here, for the engine to commit in one call, and
+        the sequences handed off, for it to park."""
+        groups: dict[int, tuple[Policy, list[int]]] = {}  # per policy (a request may bring its own)
         for row in rows:
             req = out.seqs[row].user_data
             if not req.finished:
-                groups.setdefault(id(req.policy), []).append(row)
+                groups.setdefault(id(req.policy), (req.policy, []))[1].append(row)
         stays: list[tuple[Sequence, int]] = []
-        for group in groups.values():
-            policy = out.seqs[group[0]].user_data.policy
+        sends: dict[int, list[tuple[RouterRequest, PeerReq]]] = {}  # per peer: what this step hands it
+        i = self.index
+        for policy, group in groups.values():
+            peers = policy.peers(i)
             for req, d, view in await self._decide(policy, out, group):
-                if req.finished:  # ended while an isolating re-route ran (a client gone)
-                    continue
                 if d == STAY:
-                    stays.append((req.local[self.index], view.sampled))
-                else:
-                    self._hand_off(policy, req, d, view)
-        return stays
+                    if not req.finished:  # (it may have ended while an isolating re-route ran: a client gone)
+                        stays.append((req.local[i], view.sampled))
+                elif not req.finished:
+                    self._hand_off(policy, peers, req, d, view, sends)
+        for target, reqs in sends.items():
+            self.launch.post(target, Handoff(tuple(reqs), self.index))
+        return Decided(stays, [req.local[self.index] for reqs in sends.values() for req, _ in reqs])
 
     async def _decide(self, policy: Policy, out: ForwardOutput, rows: list[int]) -> list[tuple[RouterRequest, int, ReqView]]:
         """`policy.route` for these rows -> (request, destination, view) each. When route raises for
         the batch, it is asked again for each request alone, so the request that makes it raise
         fails alone and the others go on (route sees each of them once more)."""
         reqs: list[RouterRequest] = [out.seqs[r].user_data for r in rows]
-        logits, hidden = self._rows(out, rows)
+        logits, hidden, tokens = self._rows(out, rows)
         V = self.vocab_size  # rows past V: reserved for the policy (a view, no copy)
-        result = StepResult(self.index, logits[:, :V], torch.tensor([out.next_tokens[r] for r in rows]), hidden,
+        result = StepResult(self.index, logits[:, :V], tokens, hidden,
                             [self._view(q, out.next_tokens[r]) for q, r in zip(reqs, rows)],
                             logits[:, V:] if logits.shape[-1] > V else None)
         try:
-            dests = await self.in_worker(policy.route, result) if policy.route_in_worker else policy.route(result)
+            dests = await self.worker.call(policy.route, result) if policy.route_in_worker else policy.route(result)
             dests = [int(d) for d in (dests.tolist() if hasattr(dests, "tolist") else dests)]
             if len(dests) != len(rows):
                 raise RouterError(f"policy {policy.name!r}.route returned {len(dests)} destinations "
@@ -79,26 +80,32 @@ class Routing:
         return list(zip(reqs, dests, result.reqs))
 
     @staticmethod
-    def _rows(out: ForwardOutput, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The step's logits [len(rows), V] and hidden states for `rows`: the output itself when they
-        are the whole batch, else `index_select`. Not `logits[idx]`: advanced indexing opens a parallel
+    def _rows(out: ForwardOutput, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The step's logits [len(rows), V], hidden states and sampled tokens [len(rows)] for `rows`:
+        the output itself when they are the whole batch, else `index_select`. Not `logits[idx]`: advanced indexing opens a parallel
         region even for a few rows, on the event loop thread's default OpenMP team (every core), and
         waits at its barrier for a core another model's worker holds. On the shared 2-core machine
         that was 20 ms median for a [16, 512] gather, against 3 us for `index_select`; at N = 16 on
         the sim pair it took 70% of the event loop's time."""
+        sampled = out.sampled if out.sampled is not None else torch.tensor(out.next_tokens, dtype=torch.long)
         if len(rows) == out.logits.shape[0]:  # rows are in batch order: all of them means the batch
-            return out.logits, out.hidden
+            return out.logits, out.hidden, sampled
         idx = torch.tensor(rows)
-        return out.logits.index_select(0, idx), out.hidden.index_select(0, idx) if out.hidden is not None else None
+        return (out.logits.index_select(0, idx), out.hidden.index_select(0, idx) if out.hidden is not None else None,
+                sampled.index_select(0, idx))
 
     def _view(self, req: RouterRequest, sampled: int | None = None, peer: int | None = None) -> ReqView:
+        # `seen` is copied (a few ints, and it changes under a handoff the policy may be reading);
+        # token_ids and the trace are the request's own lists: a copy per row was O(length)
         return ReqView(req.rid, self.index, req.token_ids, req.num_prompt_tokens, sampled, tuple(req.seen),
-                       tuple(req.trace), req.state[self.index], peer)
+                       req.trace, req.state[self.index], peer)
 
     # -- handoffs --------------------------------------------------------------------------------
-    def _hand_off(self, policy: Policy, req: RouterRequest, dest: int, view: ReqView) -> None:
+    def _hand_off(self, policy: Policy, peers: list[int], req: RouterRequest, dest: int, view: ReqView,
+                  sends: dict[int, list[tuple[RouterRequest, PeerReq]]]) -> None:
+        """The policy's send for a request routed to `peers[dest - 1]`: into `sends` when it leaves
+        (it may end instead, or fail)."""
         try:
-            peers = policy.peers(self.index)
             if not 1 <= dest <= len(peers):
                 raise RouterError(f"policy {policy.name!r} routed to peer {dest} from model {self.name!r}, "
                                   f"which has {len(peers)} peers")
@@ -115,11 +122,9 @@ class Routing:
             self.requests.commit(req, new, self.index)
         if pr.finished:
             self.requests.finish(req)
-        if req.finished:
-            return
-        self.engine.park(req.local[self.index])
-        self.requests.count_handoff(self.index, target)
-        self.launch.post(target, Handoff(req, pr, self.index))
+        if not req.finished:
+            self.requests.count_handoff(self.index, target)
+            sends.setdefault(target, []).append((req, pr))
 
     @staticmethod
     def _check_send(policy: Policy, req: RouterRequest, pr: PeerReq, target: int) -> list[int]:
@@ -131,9 +136,9 @@ class Routing:
                               f"has not seen from position {req.seen[target]}; got loc {pr.loc}, {len(pr.tokens)} tokens")
         return pr.tokens[len(unseen):]
 
-    def receive(self, msg: Handoff) -> None:
-        """A peer's handoff: the policy's receive says which tokens this model takes, then it arrives."""
-        req, pr = msg.req, msg.peer_req
+    def receive(self, req: RouterRequest, pr: PeerReq) -> None:
+        """A request a peer handed here: the policy's receive says which tokens this model takes,
+        then it arrives."""
         if req.finished:
             return
         try:
@@ -155,8 +160,8 @@ class Routing:
         req.at = self.index
         seq = req.local[self.index]
         if seq is None:  # first visit: prefix matching and admission
-            seq = req.local[self.index] = self.engine.add(tokens, req.sampling, req.num_prompt_tokens,
-                                                          user_data=req, output=req.out)
+            seq = req.local[self.index] = self.engine.add(tokens, req.sampling, req.num_prompt_tokens, user_data=req,
+                                                          output=req.out, want_hidden=req.policy.needs_hidden)
         else:  # handoff-resume: KV kept, just extend
             self.engine.resume(seq, tokens)
         req.seen[self.index] = len(seq.token_ids)

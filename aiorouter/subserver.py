@@ -10,28 +10,30 @@ the step reports (the request table streams it) and counts it. When to step is
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
 
 from aiorouter.launch import LaunchControl
 from aiorouter.metrics import ModelMetrics
-from aiorouter.request import Handoff, NewRequest, Release, RouterError, Wake
+from aiorouter.request import Handoff, NewRequest, Release, RouterError, RouterRequest, Wake
 from aiorouter.requests import RequestTable
 from aiorouter.routing import RouteObserver, Routing
 from aiorouter.tuning.learned import StepSpan
 from engines import Engine
 from engines.engine import StepReport
 from engines.runner import ForwardOutput, ScheduledSeq
+from engines.worker import Worker
+from policies.base import PeerReq
 
 log = logging.getLogger("aiorouter.subserver")
 
 StepObserver = Callable[[int, StepSpan, float, float], None]  # (model, its forward's span, seconds of loop work around it, of the hop)
-StepFn = Callable[[list[ScheduledSeq], bool], ForwardOutput]  # (batch, want hidden) -> output
+# a batch's forward in the worker thread (on CUDA the runner launches on the model's own stream(s)
+# and waits for the step's event there, so the loop and the other models' steps go on meanwhile)
+StepFn = Callable[[list[ScheduledSeq]], ForwardOutput]
 
 
 class Subserver:
@@ -46,36 +48,38 @@ class Subserver:
         self.metrics = ModelMetrics(kv_pages_total=engine.kv_usage().pages_total)
         # One worker thread per model: forwards of different models overlap while the event
         # loop stays free. Its intra-op thread count is set inside that thread (per-thread in OpenMP).
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"aiorouter-{name}",
-                                           initializer=torch.set_num_threads, initargs=(num_threads,))
-        self._execute = step_fn or engine.execute
+        self.worker = Worker(f"aiorouter-{name}", torch.set_num_threads, (num_threads,))
+        self.forward = step_fn or engine.execute
         self.routing = Routing(index, name, engine, launch, requests, engine.model_config.vocab_size - reserved_rows,
-                               self.in_worker, observe)
-
-    async def in_worker(self, fn: Callable, *args):
-        """Run fn(*args) in this model's worker thread (profiling runs where the model serves)."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+                               self.worker, observe)
 
     # -- inbox -------------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
         """One inbox message. A request that cannot be admitted or resumed here fails alone; a
         Release that fails is the engine's state gone wrong, which ends this subserver's task (the
         router then fails every request and restarts it with a fresh engine state)."""
-        if isinstance(msg, (NewRequest, Handoff)):
-            try:
-                if isinstance(msg, NewRequest):
-                    self.routing.arrive(msg.req, msg.req.token_ids[:])
-                else:
-                    self.routing.receive(msg)
-            except Exception as e:
-                log.warning("model %s: request %s failed on arrival: %r", self.name, msg.req.rid, e)
-                self.requests.fail(msg.req, RouterError(f"model {self.name!r} could not take this request: {e!r}"))
+        if isinstance(msg, NewRequest):
+            self._take(msg.req, None)
+        elif isinstance(msg, Handoff):
+            for req, pr in msg.reqs:
+                self._take(req, pr)
         elif isinstance(msg, Release):
             seq = msg.req.local[self.index]
             if seq is not None and not seq.is_finished:
                 self.engine.release(seq, msg.req.finish_reason or "abort")
         elif not isinstance(msg, Wake):
             raise TypeError(f"subserver {self.name}: unknown message {type(msg).__name__}")
+
+    def _take(self, req: RouterRequest, pr: PeerReq | None) -> None:
+        """A new request (`pr` None) or one a peer handed here arrives; failing, it fails alone."""
+        try:
+            if pr is None:
+                self.routing.arrive(req, req.token_ids[:])
+            else:
+                self.routing.receive(req, pr)
+        except Exception as e:
+            log.warning("model %s: request %s failed on arrival: %r", self.name, req.rid, e)
+            self.requests.fail(req, RouterError(f"model {self.name!r} could not take this request: {e!r}"))
 
     def drain(self) -> None:
         """Handle every message waiting (and those handling them posts here), then report."""
@@ -102,7 +106,7 @@ class Subserver:
     async def _step(self, since: float) -> bool:
         report = None
         try:
-            report = await self.engine.step_async(self.in_worker, self.routing.route, self._forward)
+            report = await self.engine.step_async(self.worker, self.routing.route, self.forward)
             if report is None:
                 return False
             self._publish(report)
@@ -111,12 +115,6 @@ class Subserver:
             self._report()
             if report is not None:
                 self._count(report, since)
-
-    def _forward(self, batch: list[ScheduledSeq]) -> ForwardOutput:
-        """The batch's forward, in the worker thread (on CUDA the runner launches on the model's own
-        stream(s) and waits for the step's event there, so the loop and the other models' steps go
-        on meanwhile; engines/runner.py), with hidden states when a policy of the batch reads them."""
-        return self._execute(batch, self.routing.needs_hidden(batch))
 
     def _publish(self, report: StepReport) -> None:
         """What the step did, to the requests: a sequence that failed its step alone or whose logits
@@ -179,4 +177,4 @@ class Subserver:
             since = time.perf_counter()
 
     def close(self) -> None:
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.worker.shutdown(wait=True, cancel_futures=True)

@@ -40,8 +40,8 @@ PROMPT = list(range(1, 17))
 # it back), running callbacks.
 PARTS = [
     ("handoffs", ("routing.py _hand_off", "routing.py _check_send", "routing.py receive", "routing.py arrive",
-                  "subserver.py handle", "subserver.py drain", "aiorouter/launch.py", "aiorouter/request.py",
-                  "engine.py resume", "engine.py park", "engine.py add")),
+                  "subserver.py handle", "subserver.py _take", "subserver.py drain", "aiorouter/launch.py",
+                  "aiorouter/request.py Handoff", "engine.py resume", "engine.py add")),
     ("routing", ("policies/", "aiorouter/routing.py")),
     ("detokenizing", ("engines/detokenizer.py", "tokenizers", "output.py _take_text")),
     ("commit and stop checks", ("engines/output.py", "engine.py commit", "aiorouter/requests.py",
@@ -50,7 +50,7 @@ PARTS = [
                     "engine.py schedule", "engine.py waits", "engine.py finish")),
     ("the forward (sim)", ("engines/sim.py", "engines/runner.py", "torch/", "engine.py execute", "engine.py _timed")),
     ("worker hop and loop", ("asyncio/", "concurrent/futures", "threading.py", "queue.py", "selectors.py",
-                             "in_worker", "subserver.py _forward", "engine.py _isolating")),
+                             "engine.py _on", "engine.py _isolating")),
     ("router, metrics and streams", ("aiorouter/", "engines/")),
 ]
 

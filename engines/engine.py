@@ -22,6 +22,7 @@ from engines.scheduler import Scheduler
 from engines.sequence import Sequence
 from engines.streams import StreamFactory
 from engines.weights import load_model
+from engines.worker import Worker
 
 log = logging.getLogger("aiorouter.engine")
 
@@ -79,23 +80,29 @@ class StepReport:
     commits: tuple[tuple[Sequence, int, Commit | Exception], ...]  # per kept token: as `commit` returned it
 
 
-Hop = Callable[..., Awaitable[Any]]  # hop(fn, *args): fn(*args) in the thread the owner runs forwards in
-Forward = Callable[[list[ScheduledSeq]], ForwardOutput]  # a batch's forward, as that thread runs it
-# (output, its finite rows) -> the (sequence, token)s that stay here, to commit
-Decide = Callable[[ForwardOutput, list[int]], Awaitable[list[tuple[Sequence, int]]]]
+class Decided(NamedTuple):
+    """An owner's decision over a step's rows (`Decide`)."""
+
+    stays: list[tuple[Sequence, int]]  # (sequence, sampled token) committed here
+    leaves: list[Sequence]  # handed to something outside the engine: parked here, their KV kept
+
+
+Forward = Callable[[list[ScheduledSeq]], ForwardOutput]  # a batch's forward, as the worker thread runs it
+Decide = Callable[[ForwardOutput, list[int]], Awaitable[Decided]]  # (output, its finite rows) -> Decided
 T = TypeVar("T")
 
 
-async def _here(fn: Callable[..., T], *args: Any) -> T:  # the engine alone: no worker thread to hop to
-    return fn(*args)
+async def _keep_all(out: ForwardOutput, rows: list[int]) -> Decided:  # no policy: every token stays
+    return Decided([(out.seqs[r], out.next_tokens[r]) for r in rows], [])
 
 
-async def _keep_all(out: ForwardOutput, rows: list[int]) -> list[tuple[Sequence, int]]:  # no policy: all stay
-    return [(out.seqs[r], out.next_tokens[r]) for r in rows]
+async def _on(worker: Worker | None, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) in `worker`'s thread, the caller's event loop going on meanwhile; None: right here."""
+    return fn(*args) if worker is None else await worker.call(fn, *args)
 
 
 def _complete(step: Coroutine[Any, Any, T]) -> T:
-    """The result of a coroutine none of whose awaits suspends (`_here`, `_keep_all`): the engine
+    """The result of a coroutine none of whose awaits suspends (no worker, `_keep_all`): the engine
     alone runs `step_async` to its end on the caller's thread, with no event loop."""
     try:
         step.send(None)
@@ -218,12 +225,13 @@ class Engine:
                              "(prompt plus at least one generated token must fit)")
 
     def add(self, token_ids: list[int], sampling: SamplingParams, num_prompt_tokens: int | None = None,
-            user_data: object = None, output: OutputStream | None = None) -> Sequence:
+            user_data: object = None, output: OutputStream | None = None, want_hidden: bool = False) -> Sequence:
         """A new sequence for this engine, ready now (prefix matching and admission happen when it
         is scheduled). The router adds a request's tokens as this model has seen them, with its own
-        handle in user_data and the request's output stream, which `commit` feeds."""
+        handle in user_data and the request's output stream, which `commit` feeds. `want_hidden`:
+        the steps it is in return hidden states (its policy reads them)."""
         seq = Sequence(token_ids, sampling, num_prompt_tokens=num_prompt_tokens or len(token_ids), user_data=user_data,
-                       output=output, t_ready=time.perf_counter())
+                       output=output, t_ready=time.perf_counter(), want_hidden=want_hidden)
         self.scheduler.add(seq)
         return seq
 
@@ -232,10 +240,6 @@ class Engine:
         with the KV pages it kept (no prefix matching, no new admission); it is ready now."""
         self.scheduler.resume(seq, new_tokens)
         seq.t_ready = time.perf_counter()
-
-    def park(self, seq: Sequence) -> None:
-        """Keep a sequence (and its KV) out of batches while something outside the engine serves it."""
-        self.scheduler.park(seq)
 
     def release(self, seq: Sequence, reason: str) -> None:
         """The sequence is over here: its pages go back to the pool, full ones into the prefix cache."""
@@ -285,13 +289,16 @@ class Engine:
                 seq.t_ready = None
         return out
 
-    def execute(self, batch: list[ScheduledSeq], want_hidden: bool = False, reserved_rows: int | None = None,
+    def execute(self, batch: list[ScheduledSeq], want_hidden: bool | None = None, reserved_rows: int | None = None,
                 layer_hook: LayerHook | None = None) -> ForwardOutput:
         """Run the forward and sample. Touches only the runner, so the router calls it in the model's
-        worker thread while the loop goes on. `reserved_rows`: output rows never sampled (None:
-        this engine's own); `layer_hook`: runs before each layer of a CPU step (cpu_threads.CoreShare).
-        Both come per call: a router's choices stay the router's, the engine is not changed."""
+        worker thread while the loop goes on. `want_hidden` None: when a sequence of the batch wants
+        them (`add`). `reserved_rows`: output rows never sampled (None: this engine's own);
+        `layer_hook`: runs before each layer of a CPU step (cpu_threads.CoreShare). Both come per
+        call: a router's choices stay the router's, the engine is not changed."""
         n = self.reserved_rows if reserved_rows is None else reserved_rows
+        if want_hidden is None:
+            want_hidden = any(seq.want_hidden for seq, _ in batch)
         return self.runner.run(batch, want_hidden, self.model_config.vocab_size - n if n else None, layer_hook)
 
     def finish(self, batch: list[ScheduledSeq], out: ForwardOutput) -> ForwardOutput:
@@ -320,7 +327,7 @@ class Engine:
         returns the sequences that finished in it. A sequence whose logits were NaN/inf
         (`ForwardOutput.bad_rows`) finishes with "error"; the others go on. A forward that raises,
         or a token its stream refuses, raises here."""
-        report = _complete(self.step_async(_here, _keep_all, isolate=False))
+        report = _complete(self.step_async(None, _keep_all, isolate=False))
         if report is None:
             return []
         for seq in report.bad:
@@ -331,21 +338,22 @@ class Engine:
                 raise c
         return [s for s, _, _ in report.commits if s.is_finished] + list(report.bad)
 
-    async def step_async(self, hop: Hop, decide: Decide, forward: Forward | None = None, *,
+    async def step_async(self, worker: Worker | None, decide: Decide, forward: Forward | None = None, *,
                          isolate: bool = True) -> StepReport | None:
-        """One step for an owner that routes: schedule, the forward in the owner's worker thread
-        (`hop`, so the owner's event loop goes on meanwhile), finish, then `decide` says which
-        sampled tokens stay here and they are committed. None when nothing could be scheduled.
-        Rows with NaN/inf logits are never decided on: they come back in `bad`, for the owner to
-        end. `forward`: the batch's forward as the worker runs it (None: `execute`). `isolate`: a
-        forward that raises runs again in halves (`_isolating`); False: it raises here."""
+        """One step for an owner that routes: schedule, the forward in the owner's `worker` thread
+        (so the owner's event loop goes on meanwhile; None: on this thread), finish, then `decide`
+        says which sampled tokens stay here, and they are committed and the ones that left parked.
+        None when nothing could be scheduled. Rows with NaN/inf logits are never decided on: they
+        come back in `bad`, for the owner to end. `forward`: the batch's forward as the worker runs
+        it (None: `execute`). `isolate`: a forward that raises runs again in halves (`_isolating`);
+        False: it raises here."""
         batch = self.schedule()
         if not batch:
             return None
         launched = time.perf_counter()
         waits = self.waits(batch, launched)
         failed: list[tuple[Sequence, Exception]] = []
-        parts = await self._isolating(hop, forward or self.execute, batch, failed if isolate else None)
+        parts = await self._isolating(worker, forward or self.execute, batch, failed if isolate else None)
         returned = time.perf_counter()
         for part, out, _ in parts:
             self.finish(part, out)
@@ -353,7 +361,10 @@ class Engine:
         stays: list[tuple[Sequence, int]] = []
         for _, out, _ in parts:
             bad = set(out.bad_rows)
-            stays += await decide(out, [r for r in range(len(out.seqs)) if r not in bad])
+            d = await decide(out, [r for r in range(len(out.seqs)) if r not in bad])
+            stays += d.stays
+            for seq in d.leaves:
+                self.scheduler.park(seq)
         # All of the step's tokens in one call, after every decision: nothing is awaited between
         # it and the owner's publishing them, so a token committed is a token streamed (a request
         # that ended while the policy decided, a client gone, refuses its token here instead).
@@ -361,7 +372,7 @@ class Engine:
         return StepReport(launched, returned, finished, tuple(waits), tuple(span for _, _, span in parts),
                           tuple(failed), tuple(out.seqs[r] for _, out, _ in parts for r in out.bad_rows), commits)
 
-    async def _isolating(self, hop: Hop, forward: Forward, batch: list[ScheduledSeq],
+    async def _isolating(self, worker: Worker | None, forward: Forward, batch: list[ScheduledSeq],
                          failed: list[tuple[Sequence, Exception]] | None
                          ) -> list[tuple[list[ScheduledSeq], ForwardOutput, RunSpan]]:
         """Run the batch -> [(part, its output, when the worker ran it)]. A step that raises is run
@@ -372,7 +383,7 @@ class Engine:
         (A seeded sampled request that is rerun draws again, so its tokens are then not
         batch-independent.) `failed` None: the step's exception is raised instead."""
         try:
-            return [(batch, *await hop(self._timed, forward, batch))]
+            return [(batch, *await _on(worker, self._timed, forward, batch))]
         except Exception as e:
             if failed is None:
                 raise
@@ -382,8 +393,8 @@ class Engine:
             log.exception("%s: a step of %d sequences failed; running it in halves to isolate the cause",
                           self.path.name if self.path is not None else "sim engine", len(batch))
         half = len(batch) // 2
-        return await self._isolating(hop, forward, batch[:half], failed) + \
-            await self._isolating(hop, forward, batch[half:], failed)
+        return await self._isolating(worker, forward, batch[:half], failed) + \
+            await self._isolating(worker, forward, batch[half:], failed)
 
     @staticmethod
     def _timed(forward: Forward, batch: list[ScheduledSeq]) -> tuple[ForwardOutput, RunSpan]:

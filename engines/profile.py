@@ -6,7 +6,6 @@ engine must be idle). docs/throughput-model.md says how the chain uses them.
 """
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
@@ -24,6 +23,7 @@ from engines.engine import Engine
 from engines.runner import ModelRunner, ScheduledSeq
 from engines.sampling import SamplingParams
 from engines.sequence import Sequence
+from engines.worker import Worker
 
 StepWrap = Callable[[int, Callable[..., object]], Callable[..., object]]
 
@@ -76,11 +76,11 @@ class DecodeBatch:
             self.engine.block_manager.free(s)
 
 
-async def profile_dispatched_latency(engine: Engine, executor: Executor, batch_sizes: list[int], steps: int = 3,
+async def profile_dispatched_latency(engine: Engine, worker: Worker, batch_sizes: list[int], steps: int = 3,
                                      prompt_len: int = 32, warmup: int = 1, min_seconds: float = 0.15,
                                      max_steps: int = 40) -> dict[int, float]:
     """Median seconds of one decode step at each batch size as the runtime dispatches it: timed on
-    the event loop from handing the step to the model's worker (`executor`) to the loop resuming
+    the event loop from handing the step to the model's worker (`worker`, as a step makes it) to the loop resuming
     with its result, so the thread hop each way (and any wait for the GIL) counts as step time.
 
     That hop is a per-step cost the chain would not see in the worker's own timing (`profile_step_latency`): on the
@@ -89,24 +89,23 @@ async def profile_dispatched_latency(engine: Engine, executor: Executor, batch_s
     `max_steps`) until `min_seconds` have passed: a fast model's median then rests on tens of
     steps (three 6 ms steps under load gave one size 8.1 ms against 6.4 for the others), a
     slow model's costs no more than before."""
-    loop = asyncio.get_running_loop()
     out: dict[int, float] = {}
     for b in batch_sizes:
-        batch = await loop.run_in_executor(executor, lambda: DecodeBatch(engine, b, prompt_len, window=16))
+        batch = await worker.call(DecodeBatch, engine, b, prompt_len, 16)
         try:
-            await loop.run_in_executor(executor, batch.prefill)
+            await worker.call(batch.prefill)
             times: list[float] = []
             start = time.perf_counter()
             for i in range(warmup + max_steps):
                 if len(times) >= steps and time.perf_counter() - start >= min_seconds:
                     break
                 t0 = time.perf_counter()
-                await loop.run_in_executor(executor, batch.step)
+                await worker.call(batch.step)
                 if i >= warmup:
                     times.append(time.perf_counter() - t0)
             out[b] = statistics.median(times)
         finally:
-            await loop.run_in_executor(executor, batch.close)
+            await worker.call(batch.close)
     return out
 
 

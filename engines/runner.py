@@ -44,6 +44,9 @@ class ForwardOutput(NamedTuple):
     next_tokens: list[int]  # [B] sampled with each sequence's SamplingParams
     hidden: torch.Tensor | None  # [B, hidden] final-normed last hidden state, when asked for
     bad_rows: tuple[int, ...] = ()  # rows whose logits hold NaN/inf: placeholder tokens, the sequence must fail
+    # [B] int64 on the host: next_tokens as the sampler's tensor, made in the worker thread (a policy
+    # reads it; built again on the event loop, every torch call there lets a worker take the GIL)
+    sampled: torch.Tensor | None = None
 
 
 class Stage(NamedTuple):
@@ -219,7 +222,8 @@ class ModelRunner:
             if not self.cuda:  # NaN/inf rows: those sequences fail alone, the rest commit
                 bad_rows = nonfinite_host_rows(tok_logits)
                 tokens = sample(tok_logits, params, gens, bad_rows)
-                return ForwardOutput(seqs, logits, tokens.tolist(), last.float() if want_hidden else None, bad_rows)
+                return ForwardOutput(seqs, logits, tokens.tolist(), last.float() if want_hidden else None, bad_rows,
+                                     tokens)
             bad = nonfinite_rows(tok_logits)  # [B] bool, read back with the tokens
             tokens = sample_batched(tok_logits, params, gens)
             # the step's only wait: copies into pinned memory, then one event, waited on in this thread
@@ -229,7 +233,7 @@ class ModelRunner:
             done.record(self.streams[-1])
         done.synchronize()
         return ForwardOutput(seqs, host[1], host[0].tolist(), host[3] if want_hidden else None,
-                             tuple(host[2].nonzero().flatten().tolist()))
+                             tuple(host[2].nonzero().flatten().tolist()), host[0])
 
 
 def _with_layers(cfg: ModelConfig, n: int) -> ModelConfig:

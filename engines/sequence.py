@@ -38,6 +38,7 @@ class Sequence:
     # `add_request`, whose token list is this sequence's; a router's request stream otherwise
     output: OutputStream | None = None
     t_ready: float | None = None  # when it last became ready to compute (admission-delay metric)
+    want_hidden: bool = False  # its steps return hidden states (its owner's policy reads them)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

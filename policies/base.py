@@ -50,11 +50,13 @@ class ReqView(NamedTuple):
 
     rid: str
     model: int  # the model the request is on
-    token_ids: list[int]  # committed tokens (prompt + output) as of this step
+    # committed tokens (prompt + output) as of this step; like model_trace, the request's own list,
+    # not a copy (a copy per row per step was O(length): read them, never change them)
+    token_ids: list[int]
     num_prompt_tokens: int
     sampled: int | None  # the token `model` just sampled (None in receive: nothing sampled yet)
     seen: tuple[int, ...]  # per model: how many of token_ids it has already seen
-    model_trace: tuple[int, ...]  # which model committed each output token
+    model_trace: Sequence[int]  # which model committed each output token
     state: dict[str, Any]  # this policy's scratch space for the request on `model`
     peer: int | None = None  # in send: the model index the request goes to (the runtime resolves route's k)
 

@@ -61,7 +61,7 @@ def test_sync_rounds_take_the_models_ready_when_they_open_and_wait_for_all_of_th
     lc.set_active(3)
     lc.set_ready(0, 1)
     lc.set_ready(1, 1)
-    lc.post(2, Handoff(None, None, 0))  # in flight: no round opens until it is handled
+    lc.post(2, Handoff((), 0))  # in flight: no round opens until it is handled
     assert not lc.decide(0).now
     lc.take(2)
     assert lc.decide(0).now and lc.round == {0, 1}  # the round opens with both ready models
@@ -103,7 +103,7 @@ async def test_wait_returns_on_a_message_or_at_the_bound():
 def test_reset_drops_the_inbox_and_what_it_held_in_flight():
     lc = LaunchControl("sync", 2, 4)
     lc.post(0, NewRequest(None))
-    lc.post(0, Handoff(None, None, 1))
+    lc.post(0, Handoff((), 1))
     lc.set_ready(0, 2)
     assert lc.in_flight == 2
     assert [type(m) for m in lc.reset(0)] == [NewRequest, Handoff]

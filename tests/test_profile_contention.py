@@ -88,14 +88,14 @@ def test_dispatched_latency_times_steps_through_the_worker(two_engines):
     """The router's start-up profile: steps handed to a one-thread worker from the event loop, on a
     sim (which sleeps L(b)) and on a real engine; every batch size answered, private KV freed."""
     import asyncio
-    from concurrent.futures import ThreadPoolExecutor
 
     from engines.profile import profile_dispatched_latency
+    from engines.worker import Worker
 
     sim = SimEngine(0.004, 0.001)
     real = two_engines[0]
     free = real.kv_usage().pages_free
-    with ThreadPoolExecutor(1) as pool:
+    with Worker("profile") as pool:
         got = asyncio.run(profile_dispatched_latency(sim, pool, [1, 3], steps=2))
         assert sorted(got) == [1, 3] and got[1] >= 0.005 and got[3] >= 0.007  # never under the sim's L(b)
         got = asyncio.run(profile_dispatched_latency(real, pool, [1, 2], steps=2))
