@@ -24,10 +24,7 @@ class ModelMetrics:
     # when the worker ran each recent forward, and what it computed: with the other models' spans,
     # how much the models slowed each other while serving
     spans: deque = field(default_factory=lambda: deque(maxlen=SPANS_KEPT))
-    kv_pages_used: int = 0
     kv_pages_total: int = 0
-    queue_len: int = 0  # ready (waiting + running) sequences
-    pending: int = 0  # parked while a peer serves them
 
     def record_step(self, batch_size: int, seconds: float) -> None:
         self.steps += 1

@@ -18,7 +18,7 @@ from engines.runner import ForwardOutput
 from engines.worker import Worker
 from policies.base import STAY, PeerReq, Policy, ReqView, StepResult
 
-RouteObserver = Callable[[int, int, int], None]  # (from model, to model, tokens committed)
+RouteObserver = Callable[[int, int, int, int], None]  # (from model, to model, tokens committed, decisions)
 
 
 class Routing:
@@ -117,7 +117,7 @@ class Routing:
                                RouterError(f"policy {policy.name!r} raised in send on model {self.name!r}: {e!r}"))
             return
         if self.observe is not None:
-            self.observe(self.index, target, len(new))
+            self.observe(self.index, target, len(new), 1)
         if new:
             self.requests.commit(req, new, self.index)
         if pr.finished:

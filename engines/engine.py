@@ -55,6 +55,7 @@ class KVUsage(NamedTuple):
     prefix_matches: int  # admissions that ran prefix matching (a handoff-resume must not)
     preemptions: int
     parked: int  # sequences kept out of batches while a peer serves them
+    ready: int  # sequences a step could compute now (waiting or running)
 
 
 class RunSpan(NamedTuple):
@@ -257,7 +258,8 @@ class Engine:
     def kv_usage(self) -> KVUsage:
         bm = self.block_manager
         return KVUsage(bm.num_pages, bm.num_used_pages, bm.num_free_pages, bm.num_cached_pages,
-                       bm.num_prefix_matches, self.scheduler.num_preemptions, len(self.scheduler.parked))
+                       bm.num_prefix_matches, self.scheduler.num_preemptions, len(self.scheduler.parked),
+                       self.scheduler.num_ready)
 
     def reset(self) -> None:
         """Forget every sequence: a fresh scheduler, block manager and prefix cache over the same

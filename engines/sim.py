@@ -10,7 +10,7 @@ import torch
 from engines.config import EngineConfig, ModelConfig
 from engines.engine import Engine
 from engines.runner import ForwardOutput, LayerHook, ScheduledSeq
-from engines.sampling import nonfinite_host_rows, sample
+from engines.sampling import sample
 
 
 class ByteTokenizer:
@@ -39,37 +39,37 @@ class SimRunner:
     def latency(self, batch_size: int) -> float:
         return self.a + self.c * batch_size
 
-    def next_logits(self, seqs: list) -> torch.Tensor:
-        """[len(seqs), V]: one row per sequence, deterministic in (its last token, its length):
-        two engines with the same token_seed agree on every token, which identical-model
-        equivalence tests rely on. The top logit's margin varies, so entropy-based policies see both
-        confident and unsure steps. Built in one scatter: a zero-latency sim stands for a device
-        whose step costs the host nothing, so its own per-row work must not be what host-cost
-        benchmarks time (a tensor per row was ~5 us a row)."""
+    def next_logits(self, seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits [len(seqs), V], each row's top id [len(seqs)]): one row per sequence,
+        deterministic in (its last token, its length): two engines with the same token_seed agree
+        on every token, which identical-model equivalence tests rely on. The top logit's margin
+        varies, so entropy-based policies see both confident and unsure steps. Built in one scatter:
+        a zero-latency sim stands for a device whose step costs the host nothing, so its own
+        per-row work must not be what host-cost benchmarks time (a tensor per row was ~5 us a row)."""
         h = [(s.token_ids[-1] * 1_000_003 + len(s.token_ids) * 7919 + self.token_seed * 104_729) % 2_147_483_647
              for s in seqs]
+        top = torch.tensor([32 + x % 95 for x in h], dtype=torch.long)  # printable ASCII: readable, no EOS
         logits = torch.zeros(len(seqs), self.cfg.vocab_size)
-        # printable ASCII only: readable text, no accidental EOS
-        logits[torch.arange(len(seqs)), torch.tensor([32 + x % 95 for x in h], dtype=torch.long)] = \
-            torch.tensor([1.0 + (x >> 8) % 12 for x in h])
-        return logits
+        logits[torch.arange(len(seqs)), top] = torch.tensor([1.0 + (x >> 8) % 12 for x in h])
+        return logits, top
 
     def run(self, batch: list[ScheduledSeq], want_hidden: bool = False, sample_vocab: int | None = None,
             layer_hook: LayerHook | None = None) -> ForwardOutput:
         """ModelRunner.run's contract; `sample_vocab` and `layer_hook` have nothing to act on here
-        (SimEngine reserves no rows, and CoreShare never shares cores with a model that sleeps)."""
+        (SimEngine reserves no rows, and CoreShare never shares cores with a model that sleeps).
+        Its logits are finite by construction (no bad rows), and a greedy row's token is its one
+        positive logit's id, the argmax."""
         t0 = time.perf_counter()
         seqs = [s for s, n in batch if s.num_computed_tokens + n == len(s.token_ids)]
-        logits = self.next_logits(seqs)
-        bad = nonfinite_host_rows(logits)
-        sampled = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs], bad) if seqs \
-            else torch.empty(0, dtype=torch.long)
+        logits, top = self.next_logits(seqs)
+        params = [s.sampling for s in seqs]
+        sampled = top if all(p.greedy for p in params) else sample(logits, params, [s.generator for s in seqs], ())
         hidden = torch.zeros(len(seqs), self.cfg.hidden_size) if want_hidden else None
         # sleep the remainder of L(b): the bookkeeping above counts as part of the step
         rest = self.latency(len(batch)) - (time.perf_counter() - t0)
         if rest > 0:
             time.sleep(rest)
-        return ForwardOutput(seqs, logits, sampled.tolist(), hidden, bad, sampled)
+        return ForwardOutput(seqs, logits, sampled.tolist(), hidden, (), sampled)
 
 
 class SimEngine(Engine):

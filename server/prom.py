@@ -45,13 +45,13 @@ class _RouterCollector:
         kv = self.router.kv_usage()  # read now, on the loop that owns the pools
         for name, mm in m.models.items():
             tok.add_metric([name], mm.tokens_committed)
-            used.add_metric([name], kv[name].pages_used if name in kv else mm.kv_pages_used)
             total.add_metric([name], mm.kv_pages_total)
-            if name in kv:
+            if name in kv:  # (a router not started has no pools to read)
+                used.add_metric([name], kv[name].pages_used)
                 cached.add_metric([name], kv[name].pages_cached)
                 preempt.add_metric([name], kv[name].preemptions)
-            queue.add_metric([name], mm.queue_len)
-            pend.add_metric([name], mm.pending)
+                queue.add_metric([name], kv[name].ready)
+                pend.add_metric([name], kv[name].parked)
             delay.add_metric([name], mm.admission_delay_count, mm.admission_delay_sum)
             edges = [1, 2, 4, 8, 16, 32, 64, 128, 256]
             cum = [sum(c for b, c in mm.batch_sizes.items() if b <= e) for e in edges]

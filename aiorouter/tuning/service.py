@@ -199,13 +199,15 @@ class TuningService:
     def _apply(self) -> None:
         self.apply(self.table(), self.modes())
 
-    def observe(self, src: int, dst: int, tokens: int) -> None:
-        """Feed the online estimate of P; re-solve off the loop every `resolve_every` decisions if it drifted."""
+    def observe(self, src: int, dst: int, tokens: int, count: int = 1) -> None:
+        """`count` decisions src -> dst that committed `tokens` in all: feed the online estimate of P;
+        re-solve off the loop every `resolve_every` decisions if it drifted."""
         if self.tuner is None:
             return
-        self.tuner.observe(src, dst, tokens)
-        self._decisions += 1
-        if self.resolve_every is not None and self._decisions % self.resolve_every == 0 \
+        self.tuner.observe(src, dst, tokens, count)
+        self._decisions += count
+        every = self.resolve_every
+        if every is not None and self._decisions // every != (self._decisions - count) // every \
                 and self._resolving is None and not self._closing:
             self._resolving = asyncio.get_running_loop().create_task(self._resolve())
 

@@ -192,8 +192,8 @@ class Tuner:
         s = self.schedule(N)
         return s.thresholds if s.mode != "sync" else s.best_thresholds
 
-    def observe(self, src: int, dst: int, tokens: float | None = None) -> None:
-        self.estimator.observe(src, dst, tokens)
+    def observe(self, src: int, dst: int, tokens: float | None = None, count: int = 1) -> None:
+        self.estimator.observe(src, dst, tokens, count)
 
     # -- solving -------------------------------------------------------------------------------
     @property
