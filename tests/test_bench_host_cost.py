@@ -18,4 +18,6 @@ def test_host_cost_measures_every_token_and_splits_its_time(tmp_path):
         assert us > 0 and r["this_tok_s"] == round(1e6 / us)
         parts = r["parts_us_per_token"]
         assert sum(parts.values()) == pytest.approx(us, rel=0.01)  # shares of the whole, nothing dropped
-        assert parts["routing"] > 0 and parts["commit and stop checks"] > 0  # the runtime's own functions matched
+        # every part matched something: a renamed function or file that PARTS names fails here, not
+        # silently in the figures (its time would fall into a neighbour or "other")
+        assert all(v > 0 for k, v in parts.items() if k != "other"), parts

@@ -49,8 +49,11 @@ def test_dry_run_writes_to_out_and_falls_back_when_triton_fails(tmp_path):
     one = sec["host"]["router_eager"]["N=1"]
     assert one["ms_per_token"] > 0 and one["steps"]["small"] > 0
     assert one["overhead_ms_per_token"] == one["ms_per_token"] - one["engine_ms_per_token"]
+    ceiling = sec["host"]["ceiling"]["N=2"]  # the runtime alone on zero-latency sims, with its parts
+    assert ceiling["us_per_token"] > 0 and abs(sum(ceiling["parts_us_per_token"].values()) - ceiling["us_per_token"]) \
+        < 1e-6 * ceiling["us_per_token"] and ceiling["parts_us_per_token"]["routing"] > 0
     md = (tmp_path / "out" / "gpu_check.md").read_text()
-    assert "DRY RUN" in md and "Fallback: section parity failed with Triton" in md
+    assert "DRY RUN" in md and "Fallback: section parity failed with Triton" in md and "ceiling (zero-latency sims)" in md
 
 
 def test_triton_candidates_then_a_real_triton_compile_error(tmp_path):

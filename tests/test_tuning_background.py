@@ -89,6 +89,11 @@ def test_a_search_child_answers_many_requests_in_one_process_and_keeps_serving_a
             child.run(operator.truediv, 1, 0)
         assert child.run(os.getpid) == pid  # the same child, still serving
     finally:
-        child.kill()
+        child.close()
+    assert child.exit_code == 0  # it ended on its own once its stdin closed, not by a signal
     with pytest.raises(ChildCancelled):
         child.run(os.getpid)
+    busy = ChildProcess()
+    busy.run(os.getpid)
+    busy.kill()  # (cancelling: a signal, whatever it is doing)
+    assert busy.exit_code is not None and busy.exit_code < 0

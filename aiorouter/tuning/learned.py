@@ -238,7 +238,10 @@ MIN_SHAPE_SPREAD = 0.2  # the batch part's spread, as a share of the mean step, 
 
 
 class StepSpan(NamedTuple):
-    """One forward as the model's worker ran it (perf_counter seconds) and what it computed."""
+    """One forward as the model's worker ran it (perf_counter seconds) and what it computed. The
+    fields of `engines.engine.RunSpan`, in a type of the tuner's own: the background re-solve
+    sends spans to a child process that imports only `aiorouter.tuning`, and a RunSpan would make
+    it import the engines (and torch) to unpickle them."""
 
     start: float
     end: float

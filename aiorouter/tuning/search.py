@@ -226,6 +226,7 @@ class Searcher:
         pool: ThreadPoolExecutor | None = None  # its threads each drive one child process
         children: queue.SimpleQueue[ChildProcess] = queue.SimpleQueue()
         started: list[ChildProcess] = []
+        ok = False
         try:
             for N in Ns:
                 t0 = time.perf_counter()
@@ -272,11 +273,15 @@ class Searcher:
                 best = max(ordered, key=lambda r: r.throughput)
                 out.append(SearchResult(N, best.B, best.throughput, ordered,
                                         time.perf_counter() - t0))
+            ok = True
         finally:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
-                for c in started:  # (idle once every batch answered; mid-solve after an error)
-                    c.kill()
+                for c in started:  # idle once every batch answered; mid-solve after an error
+                    if ok:
+                        c.close()
+                    else:
+                        c.kill()
             if bar is not None:
                 bar.close()
         return out
@@ -422,6 +427,27 @@ class ChildProcess:
         if not ok:
             raise value
         return value
+
+    @property
+    def exit_code(self) -> int | None:
+        """The child's exit status once it has ended (negative: the signal that killed it)."""
+        with self._lock:
+            proc = self._proc
+        return None if proc is None else proc.poll()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End an idle child the way it expects (its stdin closes, `child_main` returns); one that
+        has not exited within `timeout` seconds is killed."""
+        with self._lock:
+            proc = self._proc
+        if proc is None:
+            return
+        try:
+            proc.stdin.close()
+            proc.wait(timeout)
+        except (OSError, subprocess.TimeoutExpired):  # (a broken pipe: it is gone already)
+            pass
+        self.kill()
 
     def kill(self) -> None:
         """End the child now, solving or not, and refuse later runs."""

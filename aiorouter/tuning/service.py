@@ -48,7 +48,7 @@ class BackgroundSolver:
         try:
             return child.run(fn, *args)
         finally:
-            child.kill()  # (its answer is in: the child only idles now)
+            child.close()  # its answer is in (or it failed): it idles, and exits once its stdin closes
             with self._lock:
                 self._child = None
 

@@ -143,6 +143,11 @@ def _host(b: dict) -> list[str]:
                        "their time alone, per token", "runtime overhead per token"],
                       [[k, v.get("ms_per_token"), v.get("tok_s"), v.get("steps"), v.get("engine_ms_per_token"),
                         v.get("overhead_ms_per_token")] for k, v in b["router_eager"].items() if k.startswith("N=")])
+    if "ceiling" in b:  # bench.host_cost on this host: zero-latency sims, eager
+        parts = list(next(iter(b["ceiling"].values()))["parts_us_per_token"])
+        out += _table(["ceiling (zero-latency sims)", "us per token", "tok/s"] + parts,
+                      [[k, v["us_per_token"], v["tok_s"]] + [v["parts_us_per_token"][p] for p in parts]
+                       for k, v in b["ceiling"].items()])
     return out
 
 

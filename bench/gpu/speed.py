@@ -195,3 +195,17 @@ def host(ctx) -> None:
         one["engine_ms_per_token"] = gpu_ms / one["tokens"]
         one["overhead_ms_per_token"] = one["ms_per_token"] - one["engine_ms_per_token"]
     ctx.put("router_eager", res)
+    ctx.put("ceiling", ceiling((2,) if ctx.dry else (16, 64, 256), 16 if ctx.dry else 128))
+
+
+def ceiling(ns: tuple[int, ...], tokens: int) -> dict:
+    """bench.host_cost on this machine's host: the runtime alone (two zero-latency sims, eager),
+    us per committed token at each N and where the event loop's time goes."""
+    from bench.host_cost import breakdown, serve
+    out = {}
+    for n in ns:
+        wall, toks = asyncio.run(serve("eager", n, tokens))
+        us = 1e6 * wall / toks
+        out[f"N={n}"] = {"us_per_token": us, "tok_s": toks / wall,
+                         "parts_us_per_token": {k: v * us for k, v in breakdown("eager", n, tokens).items()}}
+    return out
