@@ -14,7 +14,9 @@ from policies.base import PeerReq, Policy
 
 class StreamEvent(NamedTuple):
     token_id: int | None  # None on a final event that carries no token
-    text: str  # incremental, UTF-8-safe detokenized piece (may be empty)
+    # incremental, UTF-8-safe detokenized piece (may be empty); None inside the router until its
+    # consumer takes it (RouterRequest.with_text): a client's events carry their text
+    text: str | None
     model: str | None  # the model that produced token_id
     index: int  # position of the token in the output
     finish_reason: str | None = None  # set on the last event of the stream
@@ -111,6 +113,15 @@ class RouterRequest:
     @property
     def finished(self) -> bool:
         return self.out.finished
+
+    def with_text(self, ev: StreamEvent) -> StreamEvent:
+        """`ev` with its text. A request's output defers detokenizing (no stop string needs the text
+        at commit) to here, where its consumer takes its events, in order and once each: after the
+        step that committed them has launched the next, so on a GPU the text is made while the
+        device runs. The pieces are the ones the commit would have made (OutputStream.text_of)."""
+        if ev.text is not None:
+            return ev
+        return ev._replace(text=self.out.text_of(ev.token_id, ev.finish_reason is not None))
 
     @property
     def finish_reason(self) -> str | None:

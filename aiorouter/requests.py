@@ -26,7 +26,7 @@ class RequestTable:
 
     def new(self, ids: list[int], sampling: SamplingParams, policy: Policy, tokenizer, eos_ids: tuple[int, ...],
             max_model_len: int) -> RouterRequest:
-        out = OutputStream(list(ids), len(ids), sampling, eos_ids, max_model_len, tokenizer)
+        out = OutputStream(list(ids), len(ids), sampling, eos_ids, max_model_len, tokenizer, defer_text=True)
         req = RouterRequest(uuid.uuid4().hex, out, policy, len(self.names))
         self.active[req.rid] = req
         self.metrics.requests_started += 1
@@ -61,6 +61,15 @@ class RequestTable:
         """Detokenizing or a stop check raised on `token`: this request fails, not its model."""
         self.fail(req, RouterError(f"committing output token {req.num_output_tokens} (id {token}) from model "
                                    f"{self.names[model]!r} failed: {err!r}"))
+
+    def failed_text(self, req: RouterRequest, ev: StreamEvent, err: Exception) -> RouterError:
+        """Detokenizing a deferred token raised as its consumer took it: the request fails (and
+        ends, on every model) -> the error its consumer raises."""
+        what = f"output token {ev.index} (id {ev.token_id}) from model {ev.model!r}" if ev.token_id is not None \
+            else "the last text of the output"
+        error = RouterError(f"committing {what} failed: {err!r}")
+        self.fail(req, error)
+        return error
 
     def finish(self, req: RouterRequest, reason: str = "stop") -> None:
         """End a request that committed no stop token (a policy's finished PeerReq)."""

@@ -448,11 +448,17 @@ class Router:
                 for ev in await req.events.take():
                     if isinstance(ev, BaseException):
                         raise ev
-                    yield ev
+                    yield self._with_text(req, ev)
                     if ev.finish_reason is not None:
                         return
         finally:
             self._requests.abort(req)
+
+    def _with_text(self, req: RouterRequest, ev: StreamEvent) -> StreamEvent:
+        try:
+            return req.with_text(ev)
+        except Exception as e:  # a token that will not detokenize fails its request, as at commit
+            raise self._requests.failed_text(req, ev, e) from None
 
     async def generate(self, prompt: Prompt, **kwargs: Any) -> GenerateResult:
         """The whole answer at once; `prompt` and `kwargs` as in `stream`."""
@@ -465,6 +471,7 @@ class Router:
         for ev in evs:
             if isinstance(ev, BaseException):
                 raise ev
+            ev = self._with_text(req, ev)
             if ev.token_id is not None:
                 ids.append(ev.token_id)
                 models.append(ev.model)

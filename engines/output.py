@@ -10,7 +10,9 @@ from engines.sampling import SamplingParams
 
 
 class Commit(NamedTuple):
-    text: str  # newly final text (may be empty: a character or a stop string still forming)
+    # newly final text (may be empty: a character or a stop string still forming); None when the
+    # stream defers its text to whoever reads it (`text_of`)
+    text: str | None
     finish_reason: str | None  # "stop" | "length" once the request is over, else None
 
 
@@ -20,10 +22,15 @@ class OutputStream:
     cut where one completes, so streamed text never has to be retracted."""
 
     def __init__(self, token_ids: list[int], num_prompt_tokens: int, sampling: SamplingParams,
-                 eos_ids: tuple[int, ...], max_model_len: int, tokenizer=None):
+                 eos_ids: tuple[int, ...], max_model_len: int, tokenizer=None, defer_text: bool = False):
+        """`defer_text`: commit tokens without detokenizing them, the text made when its reader asks
+        (`text_of`, once per token, in order: a router's client, after the step that committed them
+        has launched the next); honoured only when no stop string needs the text at commit."""
         self.token_ids, self.num_prompt_tokens, self.sampling = token_ids, num_prompt_tokens, sampling
         self.eos_ids, self.max_model_len = eos_ids, max_model_len
         self.detok = IncrementalDetokenizer(tokenizer, token_ids[:num_prompt_tokens]) if tokenizer else None
+        self.defer_text = defer_text and self.detok is not None and not sampling.stop
+        self.texted = 0  # output tokens detokenized (all that were committed, unless defer_text)
         self.finish_reason: str | None = None
         self.emitted_chars = 0  # text streamed so far
         self.stop_cut: int | None = None  # where a stop string cuts the text
@@ -46,19 +53,39 @@ class OutputStream:
         if self.finished:
             raise RuntimeError(f"token {token} committed after the request finished ({self.finish_reason})")
         self.token_ids.append(token)
+        if self.defer_text:
+            reason = self._stop_reason(token)
+            self.finish_reason = reason
+            return Commit(None, reason)
         if self.detok is not None:
             self.detok.add(token)
+            self.texted += 1
         reason = self._stop_reason(token)
         if reason is not None:
             self.finish_reason = reason
         return Commit(self._take_text(final=reason is not None), reason)
 
-    def finish(self, reason: str) -> str:
-        """End from outside (abort, error, a policy's finished PeerReq); returns the text left to stream."""
+    def finish(self, reason: str) -> str | None:
+        """End from outside (abort, error, a policy's finished PeerReq); returns the text left to
+        stream (None when it is deferred: `text_of`)."""
         if self.finished:
             return ""
         self.finish_reason = reason
-        return self._take_text(final=True)
+        return None if self.defer_text else self._take_text(final=True)
+
+    def text_of(self, token: int | None, final: bool) -> str:
+        """A deferred stream's next piece of text, exactly as `append` or `finish` would have made
+        it: for its next output token (`token`, checked), or for none (`finish`'s last piece);
+        `final` for the stream's last event."""
+        if token is not None:
+            ids = self.token_ids
+            at = self.num_prompt_tokens + self.texted
+            if at >= len(ids) or ids[at] != token:
+                raise RuntimeError(f"text asked for token {token} out of order (output token {self.texted} "
+                                   f"is {ids[at] if at < len(ids) else None})")
+            self.detok.add(token)
+            self.texted += 1
+        return self._take_text(final)
 
     def _stop_reason(self, token: int) -> str | None:
         p, n = self.sampling, self.num_output_tokens
