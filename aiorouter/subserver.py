@@ -10,6 +10,7 @@ the step reports (the request table streams it) and counts it. When to step is
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Callable
@@ -109,16 +110,21 @@ class Subserver:
             report = await self.engine.step_async(self.worker, self.routing.route, self.forward)
             if report is None:
                 return False
-            self._publish(report)
+            self._fail(report)
+            if report.commits:
+                # Overlap: the step's tokens go out to their requests once this subserver has
+                # launched its next step (a callback runs when this task next waits, on the worker),
+                # so on a GPU streaming them costs the device no time. The engine has committed them
+                # already: what the next step computes does not depend on their publishing.
+                asyncio.get_running_loop().call_soon(self._publish, report)
             return True
         finally:
             self._report()
             if report is not None:
                 self._count(report, since)
 
-    def _publish(self, report: StepReport) -> None:
-        """What the step did, to the requests: a sequence that failed its step alone or whose logits
-        were NaN/inf fails its request; each token committed (or refused by its stream) is streamed."""
+    def _fail(self, report: StepReport) -> None:
+        """A sequence that failed its step alone, or whose logits were NaN/inf, fails its request."""
         for seq, e in report.failed:
             req = seq.user_data
             log.warning("model %s: a step failed for request %s: %r", self.name, req.rid, e)
@@ -128,6 +134,9 @@ class Subserver:
             self.requests.fail(req, RouterError(
                 f"model {self.name!r} produced non-finite logits (NaN or inf) for this request at output "
                 f"token {req.num_output_tokens}; the request is stopped"))
+
+    def _publish(self, report: StepReport) -> None:
+        """Each token the step committed (or its stream refused) goes out to its request."""
         kept = 0
         for seq, token, c in report.commits:
             req = seq.user_data

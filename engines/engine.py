@@ -367,9 +367,9 @@ class Engine:
             stays += d.stays
             for seq in d.leaves:
                 self.scheduler.park(seq)
-        # All of the step's tokens in one call, after every decision: nothing is awaited between
-        # it and the owner's publishing them, so a token committed is a token streamed (a request
-        # that ended while the policy decided, a client gone, refuses its token here instead).
+        # All of the step's tokens in one call, after every decision: a request that ended while
+        # the policy decided (a client gone) refuses its token here; each token committed is in the
+        # report, for the owner to stream (a router does once its next step has launched).
         commits = tuple((seq, token, c) for (seq, token), c in zip(stays, self.commit(stays)))
         return StepReport(launched, returned, finished, tuple(waits), tuple(span for _, _, span in parts),
                           tuple(failed), tuple(out.seqs[r] for _, out, _ in parts for r in out.bad_rows), commits)
