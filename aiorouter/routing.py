@@ -5,6 +5,7 @@ post to the peer's inbox) is here too. A policy that raises fails the request it
 the model: route is asked again per request, send and receive fail their request alone."""
 from __future__ import annotations
 
+from collections import abc
 from typing import Callable
 
 import torch
@@ -19,6 +20,29 @@ from engines.worker import Worker
 from policies.base import STAY, PeerReq, Policy, ReqView, StepResult
 
 RouteObserver = Callable[[int, int, int, int], None]  # (from model, to model, tokens committed, decisions)
+
+
+class Views(abc.Sequence):
+    """A step's `StepResult.reqs`, each view built the first time it is read. R-Stitch, R2R, CITER
+    and Co-LLM route on the logits and hidden states alone, and a view cost ~1.5 us a row (a
+    third of routing's time at N = 64 on zero-latency sims, bench.host_cost --profile)."""
+
+    __slots__ = ("_make", "_reqs", "_sampled", "_built")
+
+    def __init__(self, make: Callable[[RouterRequest, int], ReqView], reqs: list[RouterRequest], sampled: list[int]):
+        self._make, self._reqs, self._sampled = make, reqs, sampled
+        self._built: list[ReqView | None] = [None] * len(reqs)
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        view = self._built[i]
+        if view is None:
+            view = self._built[i] = self._make(self._reqs[i], self._sampled[i])
+        return view
 
 
 class Routing:
@@ -44,25 +68,27 @@ class Routing:
         i = self.index
         for policy, group in groups.values():
             peers = policy.peers(i)
-            for req, d, view in await self._decide(policy, out, group):
+            for req, d, row, views, k in await self._decide(policy, out, group):
                 if d == STAY:
                     if not req.finished:  # (it may have ended while an isolating re-route ran: a client gone)
-                        stays.append((req.local[i], view.sampled))
+                        stays.append((req.local[i], out.next_tokens[row]))
                 elif not req.finished:
-                    self._hand_off(policy, peers, req, d, view, sends)
+                    self._hand_off(policy, peers, req, d, views[k], sends)
         for target, reqs in sends.items():
             self.launch.post(target, Handoff(tuple(reqs), self.index))
         return Decided(stays, [req.local[self.index] for reqs in sends.values() for req, _ in reqs])
 
-    async def _decide(self, policy: Policy, out: ForwardOutput, rows: list[int]) -> list[tuple[RouterRequest, int, ReqView]]:
-        """`policy.route` for these rows -> (request, destination, view) each. When route raises for
-        the batch, it is asked again for each request alone, so the request that makes it raise
-        fails alone and the others go on (route sees each of them once more)."""
+    async def _decide(self, policy: Policy, out: ForwardOutput, rows: list[int]
+                      ) -> list[tuple[RouterRequest, int, int, Views, int]]:
+        """`policy.route` for these rows -> (request, destination, row, the views route saw, the
+        row's index in them) each. When route raises for the batch, it is asked again for each request
+        alone, so the request that makes it raise fails alone and the others go on (route sees
+        each of them once more)."""
         reqs: list[RouterRequest] = [out.seqs[r].user_data for r in rows]
         logits, hidden, tokens = self._rows(out, rows)
         V = self.vocab_size  # rows past V: reserved for the policy (a view, no copy)
-        result = StepResult(self.index, logits[:, :V], tokens, hidden,
-                            [self._view(q, out.next_tokens[r]) for q, r in zip(reqs, rows)],
+        views = Views(self._view, reqs, [out.next_tokens[r] for r in rows])
+        result = StepResult(self.index, logits[:, :V], tokens, hidden, views,
                             logits[:, V:] if logits.shape[-1] > V else None)
         try:
             dests = await self.worker.call(policy.route, result) if policy.route_in_worker else policy.route(result)
@@ -77,7 +103,7 @@ class Routing:
             self.requests.fail(reqs[0], e if isinstance(e, RouterError) else
                                RouterError(f"policy {policy.name!r} raised in route on model {self.name!r}: {e!r}"))
             return []
-        return list(zip(reqs, dests, result.reqs))
+        return [(q, d, r, views, k) for k, (q, d, r) in enumerate(zip(reqs, dests, rows))]
 
     @staticmethod
     def _rows(out: ForwardOutput, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:

@@ -73,7 +73,7 @@ class StepResult(NamedTuple):
     logits: torch.Tensor  # [B, vocab] float32, the shared vocabulary only
     tokens: torch.Tensor  # [B] int64 sampled tokens
     hidden: torch.Tensor | None  # [B, hidden] final-normed hidden states (when needs_hidden)
-    reqs: list[ReqView]
+    reqs: Sequence[ReqView]  # one per row, built as they are read (a list of them, to the policy)
     extra_logits: torch.Tensor | None = None  # [B, extra_rows(model)] the rows past the vocabulary, if any
 
 

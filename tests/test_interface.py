@@ -157,3 +157,16 @@ async def test_a_misbehaving_send_or_receive_fails_the_request_only(tiny_qwen3, 
 def _single():
     from policies import SinglePolicy
     return SinglePolicy()
+
+
+def test_a_steps_views_are_built_as_the_policy_reads_them():
+    """StepResult.reqs: len() builds none (a policy routing on logits alone pays for no view), a
+    view is built once however often it is read, and it reads as a list does."""
+    from aiorouter.routing import Views
+
+    built = []
+    views = Views(lambda req, sampled: built.append(req) or (req, sampled), ["a", "b", "c"], [7, 8, 9])
+    assert len(views) == 3 and built == []
+    assert views[1] == ("b", 8) and views[1] == ("b", 8) and views[-1] == ("c", 9) and built == ["b", "c"]
+    assert list(views) == [("a", 7), ("b", 8), ("c", 9)] and views[0:2] == [("a", 7), ("b", 8)]
+    assert built == ["b", "c", "a"]
