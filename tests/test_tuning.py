@@ -578,20 +578,72 @@ def test_tuning_package_imports_no_torch_or_engines() -> None:
                 assert not m.split(".")[0] in {"torch", "engines", "policies", "server"}, (f, m)
 
 
-def test_sorted_state_index_matches_a_dict() -> None:
-    from aiorouter.tuning.statespace import SortedIndex
+@pytest.mark.parametrize("bits,span", [(2, 5000), (14, 5000), (3, 2**62 - 1)])
+def test_state_index_matches_a_dict(bits, span) -> None:
+    # The BFS's hash index: a tiny first table forces its slot collisions (overflow), its growth
+    # and its overflow's re-placing; keys up to 2^62 exercise the hashing of large keys.
+    from aiorouter.tuning.statespace import HashIndex
 
     rng = np.random.default_rng(5)
-    index, ref = SortedIndex(), {}
+    index, ref, overflowed = HashIndex(bits=bits), {}, 0
     assert (index.lookup(np.array([3, 9], dtype=np.int64)) == -1).all()
-    for _ in range(20):  # BFS-like levels: look a batch up, insert the new keys (sorted, distinct)
-        keys = rng.integers(0, 5000, 300).astype(np.int64)
+    for _ in range(30):  # BFS-like levels: look a batch up, insert the new keys (sorted, distinct)
+        keys = rng.integers(0, span, 300).astype(np.int64)
+        keys[:50] = keys[50:100]  # repeats within a level
+        if ref:
+            keys[100:150] = rng.choice(np.array(list(ref), dtype=np.int64), 50)  # keys seen before
         got = index.lookup(keys)
-        assert got.tolist() == [ref.get(int(k), -1) for k in keys]
+        assert got.dtype == np.int32 and got.tolist() == [ref.get(int(k), -1) for k in keys]
         new = np.unique(keys[got < 0])
         ids = index.insert_new(new)
         ref.update({int(k): int(i) for k, i in zip(new, ids)})
+        overflowed = max(overflowed, index.over.size)
     assert index.size == len(ref) and sorted(ref.values()) == list(range(len(ref)))
+    assert overflowed > 0 or span < 2**32  # random keys collide (small consecutive ones need not)
+    everything = np.array(list(ref), dtype=np.int64)
+    assert index.lookup(everything).tolist() == list(ref.values())
+
+
+def test_bfs_ids_are_levels_in_key_order_and_parts_join() -> None:
+    # State ids: level by level from the start states, each level's new states in key order; the
+    # transitions are kept per level (dst_parts / prob_parts) and `dst` / `prob` join them.
+    from aiorouter.tuning.solve import solver_blocks, solver_order
+    from aiorouter.tuning.statespace import Encoder
+
+    spec, cb, d_units = _chain([[0.5, 0.3, 0.2]] * 3, [3 * MS, 7 * MS, 11 * MS], 4, (1, 2, 1))
+    assert cb.level_starts[0] == 0 and cb.level_starts[-1] == cb.n
+    assert len(cb.dst_parts) == len(cb.prob_parts) == cb.level_starts.size - 1
+    assert np.array_equal(cb.dst, np.concatenate(cb.dst_parts)) and cb.dst.dtype == np.int32
+    assert np.array_equal(cb.prob, np.concatenate(cb.prob_parts))
+    level = np.repeat(np.arange(cb.level_starts.size - 1), np.diff(cb.level_starts))
+    assert np.all(level[cb.dst] <= level[cb.src] + 1)  # a BFS: targets at most one level further
+    first = np.full(cb.n, cb.n)
+    np.minimum.at(first, cb.dst, level[cb.src] + 1)
+    first[0] = 0
+    assert np.array_equal(first, level)  # each state is in the level that first reached it
+    enc = Encoder(3, 4, cb.rmax)
+    key = cb.cid * np.int64(enc.space)
+    for j in range(3):
+        key += enc.code(j, cb.K[:, j], cb.Bt[:, j], cb.R[:, j])
+    for a, b in zip(cb.level_starts[:-1], cb.level_starts[1:]):
+        assert np.all(np.diff(key[a:b]) > 0)  # distinct states, each level in key order
+    # The solver's matrices against a plain construction from the joined arrays.
+    order, nY = solver_order(cb, d_units)
+    pos = np.empty(cb.n, dtype=np.int32)
+    pos[order] = np.arange(cb.n, dtype=np.int32)
+    lower, A_F = solver_blocks(cb, order, pos, nY)
+    data, idx, ptr = [], [], [0]
+    for j, s in enumerate(order):
+        run = slice(cb.indptr[s], cb.indptr[s + 1])
+        data.append([1.0] + ([] if j >= nY else list(-cb.prob[run])))
+        idx.append([j] + ([] if j >= nY else list(pos[cb.dst[run]])))
+        ptr.append(ptr[-1] + len(data[-1]))
+    assert np.array_equal(lower.data, np.concatenate(data))
+    assert np.array_equal(lower.indices, np.concatenate(idx)) and np.array_equal(lower.indptr, ptr)
+    F = [slice(cb.indptr[s], cb.indptr[s + 1]) for s in order[nY:]]
+    assert np.array_equal(A_F.data, np.concatenate([cb.prob[r] for r in F]))
+    assert np.array_equal(A_F.indices, np.concatenate([pos[cb.dst[r]] for r in F]))
+    assert np.array_equal(A_F.indptr, np.cumsum([0] + [r.stop - r.start for r in F]))
 
 
 @pytest.mark.parametrize("kernel", ["gstrs", "splu"])

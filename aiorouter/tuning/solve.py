@@ -101,16 +101,21 @@ def gstrs_kernel():
 
 def solver_order(cb: ChainBatch, d_units: np.ndarray) -> tuple[np.ndarray, int]:
     """Return (order, nY): state ids with Y first (topologically), then F by chain."""
-    n, M = cb.Bt.shape
-    rank = np.argsort(-d_units.max(axis=1), kind="stable")
-    Rr, Br = cb.R[:, rank], cb.Bt[:, rank]
-    top = np.argmax(Br > 0, axis=1)
-    rows = np.arange(n)
-    is_f = Rr[rows, top] == d_units[rank[top], Br[rows, top]]
+    n = cb.n
+    rank = [int(i) for i in np.argsort(-d_units.max(axis=1), kind="stable")]
+    # The top model: the first running one in rank order (the first in rank order if none runs).
+    top_m = np.full(n, rank[0])
+    top_r, top_b = cb.R[:, rank[0]], cb.Bt[:, rank[0]]
+    for i in reversed(rank):  # the first running model in rank order is written last
+        on = cb.Bt[:, i] > 0
+        top_m = np.where(on, i, top_m)
+        top_r = np.where(on, cb.R[:, i], top_r)
+        top_b = np.where(on, cb.Bt[:, i], top_b)
+    is_f = top_r == d_units[top_m, top_b]
     # Lexicographic residual key in rank order, packed into one int64.
     key = np.zeros(n, dtype=np.int64)
-    for j in range(M):
-        key = key * (int(cb.rmax[rank[j]]) + 1) + Rr[:, j]
+    for i in rank:
+        key = key * (int(cb.rmax[i]) + 1) + cb.R[:, i]
     if cb.contended:
         # A launch can lengthen a running model's residual, so a Y -> Y step could climb the key.
         # Any state entered by a step that does not descend joins F: Y stays a DAG (every
@@ -119,7 +124,8 @@ def solver_order(cb: ChainBatch, d_units: np.ndarray) -> tuple[np.ndarray, int]:
         is_f[cb.dst[up]] = True
     f_ids = np.flatnonzero(is_f)
     y_ids = np.flatnonzero(~is_f)
-    f_ids = f_ids[np.argsort(cb.cid[f_ids], kind="stable")]
+    if cb.nB > 1:
+        f_ids = f_ids[np.argsort(cb.cid[f_ids], kind="stable")]
     # Y -> Y lowers the key strictly (the top model's residual drops, or it
     # completes and idles; relaunching would make the target F), so ties may
     # fall in any order: the unstable sort is ~2x faster than the stable one.
@@ -129,31 +135,40 @@ def solver_order(cb: ChainBatch, d_units: np.ndarray) -> tuple[np.ndarray, int]:
 def solver_blocks(cb: ChainBatch, order: np.ndarray, pos: np.ndarray, nY: int
                   ) -> tuple[UnitLowerSolver, sp.csc_matrix]:
     """The lower-triangular system above, and T^T's F-source columns (n x nF)."""
-    n, T = cb.n, cb.dst.size
-    ptr, counts = cb.indptr, cb.counts.astype(np.intp)
-
-    def runs(ids: np.ndarray, c: np.ndarray, lead: int) -> tuple[np.ndarray, np.ndarray]:
-        # Indices into dst/prob of the first c - lead transitions of each
-        # source in ids, in that order, after `lead` free slots each.  intp:
-        # numpy converts any other index dtype to it, a pass per gather.
-        ip = np.zeros(ids.size + 1, dtype=np.intp)
-        np.cumsum(c, out=ip[1:])
-        take = np.repeat(ptr[ids] - ip[:-1] - lead, c)
-        take += np.arange(ip[-1], dtype=np.intp)
-        return ip, take
-
-    # Columns of the triangular matrix, one per state: its unit diagonal
-    # first (SuperLU's kernel wants it first; taken from the self-id tail of
-    # dst_ext), then for a Y source its transitions.  F columns: diagonal only.
+    n, nF = cb.n, cb.n - nY
+    counts = cb.counts.astype(np.intp)
+    # Columns of the triangular matrix, one per state: its unit diagonal first (SuperLU's kernel
+    # wants it first), then for a Y source its transitions.  F columns: diagonal only; an F
+    # source's transitions are A_F's column instead.  The transitions are read as the BFS stored
+    # them (level by level, source by source) and written into their columns, both matrices in
+    # one buffer.  Gathering them column by column (random sources) from the joined arrays, with
+    # whole-matrix index arrays (~28 bytes per entry), was no faster warm and much slower on
+    # fresh memory (the largest N = 7 chain of the 3-model case, 6.6M entries: 131-146 ms warm,
+    # 509 ms on its first call, against 124-132 ms; 2-core Xeon, 2026-12-05).
     c = counts[order] + 1
     c[nY:] = 1
-    ip, take = runs(order, c, 1)
-    take[ip[:-1]] = T + order
-    data = cb.prob_ext[take]
-    np.negative(data, out=data)  # I - T^T; the tail's -1 becomes the diagonal's +1
-    lower = UnitLowerSolver(data, pos[cb.dst_ext[take]], ip)
-    ipF, takeF = runs(order[nY:], counts[order[nY:]], 0)
-    A_F = sp.csc_matrix((cb.prob[takeF], pos[cb.dst[takeF]], ipF), shape=(n, n - nY))
+    ip = np.zeros(n + 1, dtype=np.intc)
+    np.cumsum(c, out=ip[1:])
+    ipF = np.zeros(nF + 1, dtype=np.intp)
+    np.cumsum(counts[order[nY:]], out=ipF[1:])
+    nL = int(ip[-1])
+    # One buffer for both: the triangular matrix's entries, then A_F's.
+    data = np.empty(nL + int(ipF[-1]))
+    indices = np.empty(data.shape[0], dtype=np.intc)
+    # Where a source's first transition goes: after its column's diagonal (Y), or its A_F column.
+    first = np.where(pos < nY, ip[:-1][pos] + 1, nL + ipF[:-1][np.maximum(pos - nY, 0)])
+    for a, b, dst, prob in zip(cb.level_starts[:-1], cb.level_starts[1:], cb.dst_parts, cb.prob_parts):
+        cnt = counts[a:b]
+        src = np.repeat(np.arange(b - a), cnt)  # each transition's source, from a
+        at = (first[a:b] - (np.cumsum(cnt) - cnt))[src]  # minus the run's place in the level
+        at += np.arange(src.shape[0], dtype=np.intp)
+        data[at] = prob
+        indices[at] = pos[dst]
+    data[ip[:-1]] = -1.0
+    indices[ip[:-1]] = pos[order]
+    np.negative(data[:nL], out=data[:nL])  # I - T^T, with its unit diagonal
+    lower = UnitLowerSolver(data[:nL], indices[:nL], ip)
+    A_F = sp.csc_matrix((data[nL:], indices[nL:], ipF), shape=(n, nF))
     return lower, A_F
 
 
@@ -232,7 +247,9 @@ def gmres(S: Operator, seg: Segments, u: np.ndarray, tol: float, restart: int = 
     failed = np.zeros(nB, dtype=bool)
     steps = 0
     while True:
-        r = u - op(x)
+        # x starts at 0, where op (linear: sparse products and one triangular solve) is exactly
+        # 0: the first residual is u itself, without an operator application.
+        r = u - op(x) if steps else u.copy()
         beta = seg.norms(r)
         active = (beta > target) & ~failed
         if not active.any() or steps >= max_iter:
@@ -352,8 +369,16 @@ def stationary_batch(
     pos[order] = np.arange(n, dtype=np.int32)
     lower, A_F = solver_blocks(cb, order, pos, nY)
 
+    last: list[np.ndarray] = []  # the latest (v, through_y(v))
+
     def through_y(v: np.ndarray) -> np.ndarray:  # [z_Y, S^T v] (see the F/Y blocks)
-        return lower.solve(A_F @ v)
+        # GMRES's last residual check applies the operator to the x it returns, and pi's Y part
+        # is through_y of that same x: one triangular solve (a GMRES step's worth) saved.
+        if last and np.array_equal(last[0], v):
+            return last[1]
+        z = lower.solve(A_F @ v)
+        last[:] = [v.copy(), z]
+        return z
 
     def censored(v: np.ndarray) -> np.ndarray:  # v -> S^T v, chain by chain
         return through_y(v)[nY:]
