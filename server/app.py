@@ -20,9 +20,17 @@ from policies import BUILTIN, PolicyArgumentError, make_policy
 from server.openapi import openapi_document
 from server.prom import render_metrics
 from server.sampling import SamplingDefaults
-from server.schemas import ChatCompletionRequest, CompletionRequest
+from server.schemas import (IGNORED_HEADER, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                            TokenizeChatRequest, TokenizeCompletionRequest, unknown_fields)
 
 log = logging.getLogger("aiorouter.server")
+
+_IGNORED = web.RequestKey("ignored_fields", list)
+# A client can send any number of field names: the header names the first few, and the log stops
+# naming new ones past a bound, so that neither grows with what a client sends.
+HEADER_NAMES_MAX = 16
+LOGGED_NAMES_MAX = 256
+NAME_CHARS_MAX = 64
 
 
 def _version() -> str:
@@ -43,6 +51,9 @@ class ServerConfig:
     # where omitted sampling fields come from: "auto" (the entry model's generation_config.json),
     # "neutral" (OpenAI's values), or a directory holding a generation_config.json (server/sampling.py)
     generation_config: str = "auto"
+    # refuse a request holding a field the server does not know (400 naming it); by default such a
+    # field is ignored with a logged warning and a response header, as vLLM does
+    strict: bool = False
 
 
 _PUBLIC = frozenset({"/health", "/openapi.json"})  # answered without the API key, as vLLM's
@@ -53,6 +64,19 @@ class ApiError(Exception):
                  headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _field_name(path: tuple) -> str:
+    """A field's name for the log and the header: list positions folded ("messages[].x", so that
+    the same field in every message is one name), and escaped to printable ASCII, shortened."""
+    name = ".".join("[]" if isinstance(p, int) else str(p) for p in path).replace(".[]", "[]")
+    name = json.dumps(name)[1:-1]  # control and non-ASCII characters escaped: a header must hold it
+    return name if len(name) <= NAME_CHARS_MAX else name[:NAME_CHARS_MAX] + "..."
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -71,6 +95,8 @@ class Server:
         self._waiting = 0
         # the entry model's file: it tokenizes the prompt, and its authors' sampling is the one asked for
         self.sampling_defaults = SamplingDefaults.load(config.generation_config, router.specs[router.entry].path)
+        self.created = int(time.time())  # /v1/models' `created`: when this server started
+        self._ignored_logged: set[str] = set()  # unknown field names already warned about (once each)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors, self._auth])
@@ -81,7 +107,18 @@ class Server:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
+        app.on_response_prepare.append(self._ignored_header)
         return app
+
+    @staticmethod
+    async def _ignored_header(request: web.Request, response: web.StreamResponse) -> None:
+        # every answer to a request that held unknown fields says so, streamed and refused ones too
+        if names := request.get(_IGNORED):
+            more = f", and {len(names) - HEADER_NAMES_MAX} more" if len(names) > HEADER_NAMES_MAX else ""
+            response.headers[IGNORED_HEADER] = ", ".join(names[:HEADER_NAMES_MAX]) + more
 
     # -- middlewares ---------------------------------------------------------------------------
     @web.middleware
@@ -89,13 +126,22 @@ class Server:
         try:
             return await handler(request)
         except ApiError as e:
-            return error_response(e.status, e.message, e.type, e.param, e.headers)
+            return self._refused(request, e.status, e.message, e.type, e.param, e.headers)
         except web.HTTPRequestEntityTooLarge:
-            return error_response(413, f"request body exceeds {self.cfg.max_body_bytes} bytes")
+            return self._refused(request, 413, f"request body exceeds {self.cfg.max_body_bytes} bytes")
         except web.HTTPException as e:
             if e.status >= 400:
-                return error_response(e.status, e.reason or "error")
+                return self._refused(request, e.status, e.reason or "error")
             raise
+
+    @staticmethod
+    def _refused(request: web.Request, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, headers: dict | None = None) -> web.Response:
+        # one line per refused request, so that the server's log says why a client fails (the client
+        # may show the status alone); the body is not logged
+        log.log(logging.WARNING if status >= 500 else logging.INFO, "refused %s %s from %s: %d %s", request.method,
+                _one_line(request.path, 100), request.remote or "a unix socket", status, _one_line(message))
+        return error_response(status, message, type_, param, headers)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -120,13 +166,22 @@ class Server:
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi_document(served_model_name=self.cfg.served_model_name,
-                                                  models=list(self.router.names), api_key=bool(self.cfg.api_key), version=_version()))
+                                                  models=list(self.router.names), api_key=bool(self.cfg.api_key),
+                                                  version=_version(), strict=self.cfg.strict))
 
     async def models(self, request: web.Request) -> web.Response:
+        entry = self.router.names[self.router.entry]
+        # vLLM's fields: `root` the checkpoint behind the name, `max_model_len` the context (unknown
+        # until the models are loaded)
         return web.json_response({"object": "list", "data": [
-            {"id": self.cfg.served_model_name, "object": "model", "created": 0, "owned_by": "aiorouter",
-             "aiorouter": {"models": self.router.names, "entry": self.router.names[self.router.entry],
+            {"id": self.cfg.served_model_name, "object": "model", "created": self.created, "owned_by": "aiorouter",
+             "root": str(self.router.specs[self.router.entry].path or entry), "parent": None,
+             "max_model_len": self.router.max_model_len if self.ready else None,
+             "aiorouter": {"models": self.router.names, "entry": entry,
                            "policy": self.router.policy.name, "mode": self.router.mode}}]})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": _version()})
 
     async def metrics(self, request: web.Request) -> web.Response:
         body, ctype = render_metrics(self.router, self)
@@ -139,8 +194,69 @@ class Server:
             raise ApiError(503, "not ready", "unavailable")
         return web.json_response({"pages_freed": self.router.reset_prefix_cache()})
 
+    # -- tokenization (vLLM's endpoints) ------------------------------------------------------------
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """The token ids a prompt is, as the generation endpoints see them by default: text as
+        /v1/completions tokenizes it, messages as /v1/chat/completions renders them."""
+        data = await self._json(request)
+        if "prompt" in data and "messages" in data:
+            raise ApiError(400, "give either prompt (text) or messages (chat), not both", param="messages")
+        if "prompt" not in data and "messages" not in data:
+            raise ApiError(400, "give prompt (text) or messages (chat)", param="prompt")
+        body = self._validate(request, data, TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest)
+        self._require_ready()
+        self._check_model(body.model)
+        tok = self.router.tokenizer
+        if tok is None:
+            raise ApiError(400, "the entry model has no tokenizer: it serves token ids only", param="prompt")
+        try:
+            ids = self._tokenize(body)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages" if "messages" in data else "prompt") from None
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.router.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return web.json_response(out)
+
+    def _tokenize(self, body) -> list[int]:
+        tok = self.router.tokenizer
+        if isinstance(body, TokenizeChatRequest):
+            msgs = self._messages(body)
+            if body.add_generation_prompt and not body.add_special_tokens:
+                return self.router.prompt_ids(msgs)  # exactly a chat completion's prompt
+            # the router renders messages one way (the generation prompt, no special tokens added):
+            # the other ways are the tokenizer's own, as vLLM's /tokenize renders them
+            if not getattr(tok, "chat_template", None):
+                raise ValueError("the entry model's tokenizer has no chat template: pass text or token ids")
+            try:
+                text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=body.add_generation_prompt)
+            except Exception as e:  # the template read the messages and said no, in its own words
+                raise ValueError(f"the entry model's chat template cannot render these messages: "
+                                 f"{type(e).__name__}: {e}") from None
+            return list(tok.encode(text, add_special_tokens=body.add_special_tokens))
+        if body.add_special_tokens and body.prompt:
+            return self.router.prompt_ids(body.prompt)  # exactly a completion's prompt
+        return list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = self._validate(request, await self._json(request), DetokenizeRequest)
+        self._require_ready()
+        self._check_model(body.model)
+        tok = self.router.tokenizer
+        if tok is None:
+            raise ApiError(400, "the entry model has no tokenizer: it cannot turn ids into text", param="tokens")
+        vocab = len(tok)
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            shown = ", ".join(map(str, bad[:8])) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+            raise ApiError(400, f"tokens: {shown} outside the vocabulary [0, {vocab})", param="tokens")
+        return web.json_response({"prompt": tok.decode(body.tokens)})
+
     # -- generation ----------------------------------------------------------------------------
     async def _body(self, request: web.Request, schema):
+        return self._validate(request, await self._json(request), schema)
+
+    async def _json(self, request: web.Request) -> dict[str, Any]:
         ctype = request.headers.get("Content-Type", "")
         if not ctype.split(";")[0].strip().lower() == "application/json":
             raise ApiError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}")
@@ -159,14 +275,46 @@ class Server:
             raise ApiError(400, f"request body holds a number too large to read ({str(e).split(':')[0]})") from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object")
+        return data
+
+    def _validate(self, request: web.Request, data: dict[str, Any], schema):
         try:
-            return schema.model_validate(data)
+            body = schema.model_validate(data)
         except ValidationError as e:
             err = e.errors()[0]
             loc = ".".join(str(x) for x in err["loc"]) or None
             # our validators' own words, without pydantic's "Value error, " in front
             msg = str(err.get("ctx", {}).get("error", err["msg"])) if err["type"] == "value_error" else err["msg"]
-            raise ApiError(400, f"{loc}: {msg}" if loc else msg, param=loc) from None
+            # a message that names its field already ("tools is not supported ...") is not prefixed again
+            raise ApiError(400, f"{loc}: {msg}" if loc and not msg.startswith(f"{loc} ") else msg, param=loc) from None
+        unknown = list(unknown_fields(body))
+        if unknown and self.cfg.strict:
+            where = ".".join(map(str, unknown[0]))
+            raise ApiError(400, f"{_one_line(where, NAME_CHARS_MAX)}: unknown field (this server runs with --strict, "
+                                "which refuses fields it does not implement)", param=where)
+        if unknown:
+            request[_IGNORED] = names = list(dict.fromkeys(_field_name(p) for p in unknown))
+            self._warn_ignored(names)
+        return body
+
+    def _warn_ignored(self, names: list[str]) -> None:
+        """A warning the first time each name is ignored (a client sends the same fields with every
+        request: once is enough to say it), up to LOGGED_NAMES_MAX names."""
+        for name in names:
+            if name in self._ignored_logged or len(self._ignored_logged) > LOGGED_NAMES_MAX:
+                continue
+            self._ignored_logged.add(name)
+            if len(self._ignored_logged) <= LOGGED_NAMES_MAX:
+                log.warning("ignoring request field '%s' (not an aiorouter/OpenAI/vLLM field it implements); "
+                            "start with --strict to refuse such requests", name)
+            else:
+                log.warning("more than %d distinct unknown request fields ignored; the log names no more of them "
+                            "(each answer still does, in %s)", LOGGED_NAMES_MAX, IGNORED_HEADER)
+
+    def _require_ready(self) -> None:
+        if not self.ready:  # the port is open while the models load; the tokenizer is not there yet
+            raise ApiError(503, "the models are still loading; GET /health answers 200 once they are ready",
+                           "unavailable", headers={"Retry-After": "1"})
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.cfg.served_model_name and name not in self.router.names:
@@ -229,16 +377,17 @@ class Server:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, ChatCompletionRequest)
+        return await self._generate(request, body, self._messages(body), body.limit(), chat=True)
+
+    @staticmethod
+    def _messages(body) -> list[dict[str, str]]:
         try:
-            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+            return [{"role": m.role, "content": m.text()} for m in body.messages]
         except ValueError as e:
             raise ApiError(400, f"messages: {e}", param="messages") from None
-        return await self._generate(request, body, msgs, body.limit(), chat=True)
 
     async def _generate(self, request: web.Request, body, prompt, max_tokens: int | None, chat: bool):
-        if not self.ready:  # the port is open while the models load; the tokenizer is not there yet
-            raise ApiError(503, "the models are still loading; GET /health answers 200 once they are ready",
-                           "unavailable", headers={"Retry-After": "1"})
+        self._require_ready()
         self._check_model(body.model)
         try:
             ids = self.router.prompt_ids(prompt)
@@ -263,6 +412,10 @@ class Server:
             self.in_flight -= 1
             self._slots.release()
 
+    @staticmethod
+    def _id(body, chat: bool) -> str:
+        return f"{'chatcmpl' if chat else 'cmpl'}-{body.request_id or uuid.uuid4().hex}"  # vLLM's
+
     def _usage(self, prompt_tokens: int, per_model: dict[str, int]) -> dict:
         n = sum(per_model.values())
         return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
@@ -280,7 +433,7 @@ class Server:
             raise ApiError(503, str(e), "unavailable", headers={"Retry-After": "1"}) from None
         except RouterError as e:
             raise ApiError(500, str(e), "server_error") from None
-        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        rid, created = self._id(body, chat), int(time.time())
         choice = {"index": 0, "finish_reason": reason, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
@@ -293,9 +446,11 @@ class Server:
     async def _sse(self, request: web.Request, body, events: AsyncIterator, prompt_tokens: int, chat: bool):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        rid, created = self._id(body, chat), int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         per_model: dict[str, int] = {}
+        opts = body.stream_options
+        continuous = opts is not None and opts.continuous_usage_stats
 
         def chunk(text: str | None, reason: str | None, model: str | None, first: bool = False) -> bytes:
             if chat:
@@ -306,6 +461,8 @@ class Server:
             d = {"id": rid, "object": obj, "created": created, "model": self.cfg.served_model_name, "choices": [choice]}
             if model:
                 d["aiorouter"] = {"model": model}
+            if continuous:  # the tokens so far, this chunk's included
+                d["usage"] = self._usage(prompt_tokens, per_model)
             return f"data: {json.dumps(d)}\n\n".encode()
 
         try:
@@ -321,7 +478,7 @@ class Server:
             err = {"error": {"message": str(e), "type": "unavailable" if code == 503 else "server_error",
                              "param": None, "code": code}}
             await resp.write(f"data: {json.dumps(err)}\n\n".encode())
-        if body.stream_options is not None and body.stream_options.include_usage:
+        if opts is not None and opts.include_usage:
             u = {"id": rid, "object": obj, "created": created, "model": self.cfg.served_model_name, "choices": [],
                  "usage": self._usage(prompt_tokens, per_model)}
             await resp.write(f"data: {json.dumps(u)}\n\n".encode())

@@ -177,7 +177,8 @@ def server_config(args):
     from server.app import ServerConfig
     return ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key,
                         max_concurrency=args.max_concurrency, max_queue=args.max_queue,
-                        default_max_tokens=args.default_max_tokens, generation_config=args.generation_config)
+                        default_max_tokens=args.default_max_tokens, generation_config=args.generation_config,
+                        strict=args.strict)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -329,7 +330,8 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HelpFormatter,
                        description="Serve the models behind one OpenAI-compatible endpoint (/v1/chat/completions, "
-                                   "/v1/completions, /v1/models, /health, /metrics).")
+                                   "/v1/completions, /v1/models, /tokenize, /detokenize, /version, /health, "
+                                   "/metrics).")
     add_router_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -342,6 +344,10 @@ def parser() -> argparse.ArgumentParser:
                         "neutral uses OpenAI's (temperature 1, no truncation; vLLM's 'vllm'), DIR reads DIR's file")
     s.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens of a request that sets none, when the generation config sets no max_new_tokens")
+    s.add_argument("--strict", action="store_true",
+                   help="refuse a request holding a field the server does not know, with a 400 naming it "
+                        "(otherwise it is ignored, as vLLM does: a warning per field name in the log and the "
+                        "X-Aiorouter-Ignored-Fields header on the answer)")
     s.add_argument("--max-queue", type=int, default=64, help="requests queued beyond --max-concurrency before 429")
     s.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     s.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve (pip install 'aiorouter[ray]')")

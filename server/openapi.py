@@ -14,12 +14,26 @@ from server import schemas as s
 _REF = "#/components/schemas/{model}"
 
 
-def _body(model: type[BaseModel]) -> dict[str, Any]:
-    return {"required": True, "content": {"application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}}}
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": _REF.format(model=model.__name__)}
 
 
-def _json(model: type[BaseModel], what: str) -> dict[str, Any]:
-    return {"description": what, "content": {"application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}}}
+def _body(schema: type[BaseModel] | dict[str, Any]) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {"schema": schema if isinstance(schema, dict)
+                                                                         else _ref(schema)}}}
+
+
+def _json(model: type[BaseModel], what: str, ignored: bool = False) -> dict[str, Any]:
+    out = {"description": what, "content": {"application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}}}
+    return {**out, "headers": _IGNORED} if ignored else out
+
+
+# on the answer to a request that held fields the server does not know and ignored (not with --strict)
+_IGNORED = {s.IGNORED_HEADER: {"description": "the request's unknown fields, which the server ignored",
+                             "required": False, "schema": {"type": "string"}}}
+# the request bodies: their unknown fields are ignored, or refused under --strict
+_REQUESTS = (s.CompletionRequest, s.ChatCompletionRequest, s.TokenizeCompletionRequest, s.TokenizeChatRequest,
+             s.DetokenizeRequest)
 
 
 def _errors(*codes: int) -> dict[str, Any]:
@@ -37,25 +51,31 @@ def _answer(whole: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
         "type": "string", "contentMediaType": "application/json",
         "contentSchema": {"anyOf": [{"$ref": _REF.format(model=chunk.__name__)},
                                     {"$ref": _REF.format(model="ErrorResponse")}]}}]}
-    return {"description": "the answer, whole or streamed", "content": {
+    return {"description": "the answer, whole or streamed", "headers": _IGNORED, "content": {
         "application/json": {"schema": ref},
         "text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {"data": data}}}}}
 
 
-def openapi_document(*, served_model_name: str, models: list[str], api_key: bool, version: str) -> dict[str, Any]:
+def openapi_document(*, served_model_name: str, models: list[str], api_key: bool, version: str,
+                     strict: bool = False) -> dict[str, Any]:
     """The document for one server: `model` takes the served name or one of the router's `models`
-    (anything else is a 404), and `api_key` adds the bearer scheme every path but /health needs."""
+    (anything else is a 404), `api_key` adds the bearer scheme every path but /health needs, and
+    `strict` (--strict) closes the request bodies to fields they do not declare."""
     _, defs = models_json_schema(
-        [(m, "validation") for m in (s.CompletionRequest, s.ChatCompletionRequest)]
+        [(m, "validation") for m in _REQUESTS]
         + [(m, "serialization") for m in (s.Completion, s.ChatCompletion, s.CompletionChunk,
                                           s.ChatCompletionChunk, s.ModelList, s.Health, s.PrefixCacheReset,
-                                          s.ErrorResponse)],
+                                          s.TokenizeResponse, s.DetokenizeResponse, s.Version, s.ErrorResponse)],
         ref_template=_REF)
-    for req in ("CompletionRequest", "ChatCompletionRequest"):
-        defs["$defs"][req]["properties"]["model"] = {"anyOf": [{"enum": [served_model_name, *models]}, {"type": "null"}]}
+    for req in _REQUESTS:
+        defs["$defs"][req.__name__]["properties"]["model"] = {
+            "anyOf": [{"enum": [served_model_name, *models]}, {"type": "null"}]}
+    for name in [m.__name__ for m in _REQUESTS] + ["StreamOptions", "ChatMessage"]:
+        assert defs["$defs"][name]["additionalProperties"] is True, name  # pydantic's extra="allow"
+        defs["$defs"][name]["additionalProperties"] = not strict
     generate = _errors(400, 404, 413, 415, 429, 503)
 
-    def op(summary: str, responses: dict, body: type[BaseModel] | None = None) -> dict[str, Any]:
+    def op(summary: str, responses: dict, body: type[BaseModel] | dict[str, Any] | None = None) -> dict[str, Any]:
         o: dict[str, Any] = {"summary": summary, "responses": responses}
         if body is not None:
             o["requestBody"] = _body(body)
@@ -75,6 +95,16 @@ def openapi_document(*, served_model_name: str, models: list[str], api_key: bool
                             "security": [], "responses": {"200": _json(s.Health, "serving"), **_errors(503)}}},
         "/metrics": {"get": op("Prometheus metrics", {"200": {"description": "text exposition format",
                                                              "content": {"text/plain": {"schema": {"type": "string"}}}}})},
+        "/tokenize": {"post": op(
+            "Token ids of a prompt (text, as /v1/completions tokenizes it) or of chat messages (as "
+            "/v1/chat/completions renders them), as vLLM's",
+            {"200": _json(s.TokenizeResponse, "the ids", ignored=True), **_errors(400, 404, 413, 415, 503)},
+            {"anyOf": [_ref(s.TokenizeCompletionRequest), _ref(s.TokenizeChatRequest)]})},
+        "/detokenize": {"post": op(
+            "The text of token ids, as vLLM's",
+            {"200": _json(s.DetokenizeResponse, "the text", ignored=True), **_errors(400, 404, 413, 415, 503)},
+            s.DetokenizeRequest)},
+        "/version": {"get": op("The aiorouter version serving", {"200": _json(s.Version, "the version")})},
         "/reset_prefix_cache": {"post": op("Give back the KV pages only the prefix cache holds",
                                            {"200": _json(s.PrefixCacheReset, "pages freed"), **_errors(503)})},
         "/openapi.json": {"get": {"summary": "This document", "security": [], "responses": {

@@ -33,7 +33,7 @@ log = logging.getLogger("aiorouter.ray")
 APP = "aiorouter"
 INSTALL = "pip install 'aiorouter[ray]'"
 REQUEST_HEADERS = ("content-type", "authorization", "accept")
-RESPONSE_HEADERS = ("content-type", "cache-control", "retry-after")
+RESPONSE_HEADERS = ("content-type", "cache-control", "retry-after", "x-aiorouter-ignored-fields")
 REPLICA_HEADER = "x-aiorouter-replica"  # the Ray actor name of the replica that answered
 
 

@@ -1,23 +1,135 @@
-"""OpenAI request bodies, validated by pydantic. Unknown fields are refused (extra="forbid"),
-and OpenAI fields this server does not implement are accepted only at their neutral value:
-nothing is accepted and then silently ignored. Types are strict, as the published JSON schema
-says: `"temperature": true` or `"max_tokens": "10"` is a 400, not a number pydantic made of it."""
+"""OpenAI request bodies, validated by pydantic. Types are strict, as the published JSON schema
+says: `"temperature": true` or `"max_tokens": "10"` is a 400, not a number pydantic made of it.
+
+Three kinds of field:
+- implemented ones, honoured;
+- OpenAI and vLLM fields this server cannot honour (tools, guided decoding, beam search, ...):
+  accepted only at their neutral value, so nothing the client asked for is silently dropped;
+- fields nobody here knows: kept in `model_extra`, and the server ignores them with a warning
+  and a response header, as vLLM does, or refuses them when started with --strict
+  (`unknown_fields` finds them at any depth)."""
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Iterator, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from engines.sampling import SEED_MAX, SEED_MIN
 
+# the header on the answer to a request whose unknown fields the server ignored, naming them
+IGNORED_HEADER = "X-Aiorouter-Ignored-Fields"
+# Unknown fields are kept, not refused: whether they are ignored or refused is the server's
+# choice (ServerConfig.strict), made after validation.
+_REQUEST = ConfigDict(extra="allow", strict=True)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality: 1 equals 1.0, but true is not 1 (Python's == says it is)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(_same, a, b))
+    return type(a) is type(b) and a == b
+
+
+def _neutral_only(table: dict[str, tuple[Any, tuple]]) -> dict[str, Any]:
+    """Fields, for `create_model`, that the server cannot honour: each passes only its neutral
+    values (the first is the default), the published schema lists them as its enum, and any
+    other value is a 400 that names the field. Built from a table rather than written out: one
+    line per field keeps the type and the neutral values side by side."""
+    fields = {}
+    for name, (annotation, neutral) in table.items():
+        said = " or ".join(json.dumps(v) for v in neutral if v is not None)
+        hint = f"leave it out or send {said}" if said else "leave it out"
+
+        def check(v, name=name, neutral=neutral, hint=hint):
+            if not any(_same(v, n) for n in neutral):
+                raise ValueError(f"{name} is not supported by this server ({hint})")
+            return v
+        fields[name] = (Annotated[annotation, AfterValidator(check)],
+                        Field(default=neutral[0], json_schema_extra={"enum": list(neutral)}))
+    return fields
+
+
+_OBJ = dict[str, Any] | None
+
+# vLLM's sampling and output extensions, and its structured-output fields, on both endpoints
+COMMON_UNSUPPORTED: dict[str, tuple[Any, tuple]] = {
+    "repetition_penalty": (float | None, (None, 1.0)),  # vLLM's `bench serve` sends 1.0
+    "length_penalty": (float | None, (None, 1.0)),
+    "use_beam_search": (bool | None, (None, False)),
+    "min_tokens": (int | None, (None, 0)),
+    "stop_token_ids": (list[int] | None, (None, [])),
+    "bad_words": (list[str] | None, (None, [])),
+    "allowed_token_ids": (list[int] | None, (None,)),
+    "skip_special_tokens": (bool | None, (None, True)),
+    "spaces_between_special_tokens": (bool | None, (None, True)),
+    "include_stop_str_in_output": (bool | None, (None, False)),
+    "truncate_prompt_tokens": (int | None, (None,)),
+    "prompt_logprobs": (int | None, (None,)),  # vLLM answers prompt log-probabilities even for 0
+    "return_tokens_as_token_ids": (bool | None, (None, False)),
+    "logits_processors": (list[Any] | None, (None, [])),
+    "response_format": (_OBJ, (None, {"type": "text"})),
+    "guided_json": (Any, (None,)),
+    "guided_regex": (str | None, (None,)),
+    "guided_choice": (list[str] | None, (None,)),
+    "guided_grammar": (str | None, (None,)),
+    "structural_tag": (str | None, (None,)),
+    "structured_outputs": (_OBJ, (None,)),
+    "priority": (int | None, (None, 0)),  # requests are served first come, first served
+    "cache_salt": (str | None, (None,)),  # the prefix cache is shared by every request
+}
+
+COMPLETION_UNSUPPORTED: dict[str, tuple[Any, tuple]] = {
+    "add_special_tokens": (bool | None, (None, True)),  # the prompt is tokenized with them, as vLLM's
+}
+
+CHAT_UNSUPPORTED: dict[str, tuple[Any, tuple]] = {
+    # no tool calling: without tools, "auto" and "none" choose the same (nothing)
+    "tools": (list[dict[str, Any]] | None, (None, [])),
+    "tool_choice": (str | dict[str, Any] | None, (None, "none", "auto")),
+    "functions": (list[dict[str, Any]] | None, (None, [])),
+    "function_call": (str | dict[str, Any] | None, (None, "none", "auto")),
+    "parallel_tool_calls": (bool | None, (None, True, False)),  # says nothing when there are no tools
+    "add_special_tokens": (bool | None, (None, False)),  # the chat template writes them, as vLLM's
+    "add_generation_prompt": (bool | None, (None, True)),
+    "continue_final_message": (bool | None, (None, False)),
+    "chat_template": (str | None, (None,)),
+    "chat_template_kwargs": (_OBJ, (None, {})),
+    "mm_processor_kwargs": (_OBJ, (None, {})),
+    "documents": (list[Any] | None, (None, [])),
+    "echo": (bool | None, (None, False)),
+    "top_logprobs": (int | None, (None, 0)),
+    "reasoning_effort": (str | None, (None,)),
+    "modalities": (list[str] | None, (None, ["text"])),
+    "audio": (_OBJ, (None,)),
+    "prediction": (_OBJ, (None,)),
+    "web_search_options": (_OBJ, (None,)),
+    "store": (bool | None, (None, False)),  # nothing is stored
+    "service_tier": (str | None, (None, "auto", "default")),
+}
+
+# fields that label a request and ask nothing of the answer (OpenAI's `user` is another)
+LABELS: dict[str, Any] = {
+    "metadata": (dict[str, str] | None, Field(default=None, max_length=16)),  # OpenAI's limit
+}
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = _REQUEST
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far (here whether or not include_usage is set, which
+    # adds the closing usage-only chunk as OpenAI's)
+    continuous_usage_stats: bool = False
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class _CommonFields(BaseModel):
+    model_config = _REQUEST
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -36,6 +148,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    request_id: str | None = None  # vLLM's: the answer's id is cmpl-/chatcmpl-<request_id>
     routing: dict[str, Any] | None = None  # extension: {"policy": "rstitch", "tau": 0.05}
     # OpenAI fields without an implementation here: only their neutral values pass (the published
     # schema says so, and the validators below name the field to a client that sends another).
@@ -81,7 +194,7 @@ class _Common(BaseModel):
         return self
 
 
-class CompletionRequest(_Common):
+class _CompletionFields(_CommonFields):
     # text, token ids, or a batch of one of either (OpenAI's forms; a batch of more is refused)
     prompt: str | list[int] | list[str] | list[list[int]] = Field(json_schema_extra={"anyOf": [
         {"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {"type": "integer"}},
@@ -114,8 +227,12 @@ class CompletionRequest(_Common):
         return self
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+CompletionRequest = create_model("CompletionRequest", __base__=_CompletionFields, __module__=__name__,
+                                 **_neutral_only({**COMMON_UNSUPPORTED, **COMPLETION_UNSUPPORTED}), **LABELS)
+
+
+class _ChatMessageFields(BaseModel):
+    model_config = _REQUEST
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]]
     name: str | None = None
@@ -131,12 +248,76 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_Common):
+# OpenAI's message fields for tool calls and reasoning: the chat template would render them, and
+# this server passes it role and content alone, so only their empty values pass
+MESSAGE_UNSUPPORTED: dict[str, tuple[Any, tuple]] = {
+    "tool_calls": (list[dict[str, Any]] | None, (None, [])),
+    "tool_call_id": (str | None, (None,)),
+    "function_call": (_OBJ, (None,)),
+    "refusal": (str | None, (None,)),
+    "reasoning_content": (str | None, (None,)),
+}
+ChatMessage = create_model("ChatMessage", __base__=_ChatMessageFields, __module__=__name__,
+                           **_neutral_only(MESSAGE_UNSUPPORTED))
+
+
+class _ChatFields(_CommonFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+ChatCompletionRequest = create_model("ChatCompletionRequest", __base__=_ChatFields, __module__=__name__,
+                                     **_neutral_only({**COMMON_UNSUPPORTED, **CHAT_UNSUPPORTED}), **LABELS)
+
+
+# -- tokenization, as vLLM's /tokenize and /detokenize -------------------------------------------------
+class TokenizeCompletionRequest(BaseModel):
+    """Text, tokenized as /v1/completions tokenizes a prompt (with add_special_tokens)."""
+    # one of the two forms of a /tokenize body: which one is the key it holds, never both
+    model_config = ConfigDict(**_REQUEST, json_schema_extra={"not": {"required": ["messages"]}})
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class _TokenizeChatFields(BaseModel):
+    """Messages, rendered by the entry model's chat template and tokenized as /v1/chat/completions
+    does (with add_generation_prompt and without add_special_tokens)."""
+    model_config = ConfigDict(**_REQUEST, json_schema_extra={"not": {"required": ["prompt"]}})
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+TokenizeChatRequest = create_model("TokenizeChatRequest", __base__=_TokenizeChatFields, __module__=__name__,
+                                   **_neutral_only({k: CHAT_UNSUPPORTED[k] for k in (
+                                       "continue_final_message", "chat_template", "chat_template_kwargs", "tools",
+                                       "mm_processor_kwargs")}))
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _REQUEST
+    model: str | None = None
+    tokens: list[int]
+
+
+def unknown_fields(body: BaseModel, path: tuple = ()) -> Iterator[tuple]:
+    """The path of each field of a validated request that no model here declares (pydantic kept
+    it in `model_extra`), nested models and lists of them included: ("stream_options", "x"),
+    ("messages", 2, "x")."""
+    for name in body.model_extra or {}:
+        yield (*path, name)
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        for i, item in enumerate(value) if isinstance(value, list) else [(None, value)]:
+            if isinstance(item, BaseModel):
+                yield from unknown_fields(item, (*path, name) if i is None else (*path, name, i))
 
 
 # -- responses: what the server answers, published in its OpenAPI document (server/openapi.py) ----
@@ -203,8 +384,11 @@ class ChatCompletion(_Open):
 class ModelCard(_Open):
     id: str
     object: Literal["model"]
-    created: int
+    created: int  # when the server started
     owned_by: str
+    root: str  # the entry model's checkpoint (its name, for a simulated model), as vLLM's
+    parent: str | None
+    max_model_len: int | None  # the context every model fits; null while the models load
 
 
 class ModelList(_Open):
@@ -214,6 +398,21 @@ class ModelList(_Open):
 
 class Health(_Open):
     status: Literal["ok"]
+
+
+class TokenizeResponse(_Open):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # with "return_token_strs": true
+
+
+class DetokenizeResponse(_Open):
+    prompt: str
+
+
+class Version(_Open):
+    version: str
 
 
 class PrefixCacheReset(_Open):

@@ -39,7 +39,6 @@ PUBLIC = {
     "engines/default_model.py: hf_quantizer": "set on a transformers object transformers reads",
     "engines/default_model.py: model_max_length": "set on the tokenizer transformers reads",
     "engines/engine.py: prompt_token_ids": "RequestOutput field, as vLLM's",
-    "engines/sim.py: add_special_tokens": "tokenizer interface parameter",
     "engines/sim.py: skip_special_tokens": "tokenizer interface parameter",
     "policies/base.py: model_trace": "RequestView field policies read",
 }

@@ -59,7 +59,8 @@ def fuzz(url: str, examples_per_mode: int) -> Counter:
     ops = [r.ok() for r in schema.get_all_operations()]
     # every endpoint but the document itself, which Schemathesis reads rather than fuzzes
     assert {op.label for op in ops} == {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models",
-                                        "GET /health", "GET /metrics", "POST /reset_prefix_cache"}
+                                        "GET /health", "GET /metrics", "POST /reset_prefix_cache", "POST /tokenize",
+                                        "POST /detokenize", "GET /version"}
     for op in ops:
         # a GET without parameters has nothing a negative case could break
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)[:2 if len(op.body) else 1]:
@@ -107,6 +108,7 @@ def test_schemathesis_fuzzes_every_endpoint_without_a_5xx_or_hang(served):
     assert sum(seen.values()) >= 300 and not any(status >= 500 for _, status in seen)
     # the generator reached the generating paths, not only their validation
     assert seen[("POST /v1/completions", 200)] > 0 and seen[("POST /v1/chat/completions", 200)] > 0
+    assert seen[("POST /tokenize", 200)] > 0 and seen[("POST /detokenize", 200)] > 0
     assert sum(n for (op, status), n in seen.items() if 400 <= status < 500 and op.startswith("POST /v1")) > 0
     after_fuzz_the_server_serves(url, proc)
 
