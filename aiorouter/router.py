@@ -354,11 +354,14 @@ class Router:
         return {s.name: s.engine.reset_prefix_cache() for s in self.subservers}
 
     # -- client API ----------------------------------------------------------------------------
-    def prompt_ids(self, prompt: Prompt) -> list[int]:
+    def prompt_ids(self, prompt: Prompt, *, add_generation_prompt: bool = True,
+                   add_special_tokens: bool | None = None) -> list[int]:
         """Token ids of a prompt (see `Prompt`): text is tokenized as is (with the tokenizer's BOS
         where it adds one), with no chat template (a chat
         model given a bare question may answer nothing: pass messages), chat messages go through the
-        entry model's chat template, token ids pass through."""
+        entry model's chat template, token ids pass through. The switches are vLLM's /tokenize
+        options; their defaults are what generation does (None: special tokens for text, none
+        added to a rendered chat)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -366,12 +369,16 @@ class Router:
                 raise ValueError("the entry model has no tokenizer: pass token ids")
             # the tokenizer's own special tokens, as vLLM's completions do: a BOS where the model
             # expects one (Gemma, Llama; a Gemma prompt without it answers nonsense), none for Qwen/SmolLM2
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens is not False)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
                 raise ValueError("the entry model's tokenizer has no chat template: pass text or token ids")
             try:
-                ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+                if add_special_tokens:  # rendered, then tokenized with the tokenizer's specials
+                    text = self.tokenizer.apply_chat_template(prompt, tokenize=False,
+                                                              add_generation_prompt=add_generation_prompt)
+                    return list(self.tokenizer.encode(text, add_special_tokens=True))
+                ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=add_generation_prompt)
             except (jinja2.TemplateError, TypeError, KeyError) as e:  # the template read the messages and said no
                 raise ValueError(f"the entry model's chat template cannot render these messages: "
                                  f"{type(e).__name__}: {e}") from None

@@ -219,24 +219,13 @@ class Server:
         return web.json_response(out)
 
     def _tokenize(self, body) -> list[int]:
-        tok = self.router.tokenizer
+        # the generation endpoints' own tokenizing (Router.prompt_ids), with vLLM's switches
         if isinstance(body, TokenizeChatRequest):
-            msgs = self._messages(body)
-            if body.add_generation_prompt and not body.add_special_tokens:
-                return self.router.prompt_ids(msgs)  # exactly a chat completion's prompt
-            # the router renders messages one way (the generation prompt, no special tokens added):
-            # the other ways are the tokenizer's own, as vLLM's /tokenize renders them
-            if not getattr(tok, "chat_template", None):
-                raise ValueError("the entry model's tokenizer has no chat template: pass text or token ids")
-            try:
-                text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=body.add_generation_prompt)
-            except Exception as e:  # the template read the messages and said no, in its own words
-                raise ValueError(f"the entry model's chat template cannot render these messages: "
-                                 f"{type(e).__name__}: {e}") from None
-            return list(tok.encode(text, add_special_tokens=body.add_special_tokens))
-        if body.add_special_tokens and body.prompt:
-            return self.router.prompt_ids(body.prompt)  # exactly a completion's prompt
-        return list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            return self.router.prompt_ids(self._messages(body), add_generation_prompt=body.add_generation_prompt,
+                                          add_special_tokens=body.add_special_tokens)
+        if not body.prompt:  # (an empty text is a prompt generation refuses, but it has ids)
+            return list(self.router.tokenizer.encode("", add_special_tokens=body.add_special_tokens))
+        return self.router.prompt_ids(body.prompt, add_special_tokens=body.add_special_tokens)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = self._validate(request, await self._json(request), DetokenizeRequest)
