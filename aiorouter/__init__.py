@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from aiorouter.request import GenerateResult, RouterError, RouterUnavailable, StreamEvent
     from aiorouter.config import RouterConfig
     from aiorouter.router import Prompt, Router
+    from aiorouter.scoring import ScoreResult
     from aiorouter.spec import ModelSpec
 
 _EXPORTS = {
@@ -23,10 +24,10 @@ _EXPORTS = {
     "GenerateResult": "aiorouter.request", "RouterError": "aiorouter.request",
     "RouterUnavailable": "aiorouter.request", "StreamEvent": "aiorouter.request",
     "Prompt": "aiorouter.router", "Router": "aiorouter.router", "RouterConfig": "aiorouter.config",
-    "ModelSpec": "aiorouter.spec",
+    "ModelSpec": "aiorouter.spec", "ScoreResult": "aiorouter.scoring",
 }
 __all__ = ["Router", "RouterConfig", "ModelSpec", "Prompt", "StreamEvent", "GenerateResult", "RouterError",
-           "RouterUnavailable", "run",
+           "RouterUnavailable", "ScoreResult", "run",
            "default_models", "default_router", "DEFAULT_POLICY", "DEFAULT_POLICY_ARGS"]
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from engines import SamplingParams, Sequence
+from engines.logprobs import TokenLogprob
 from engines.output import OutputStream
 from policies.base import PeerReq, Policy
 
@@ -20,6 +21,9 @@ class StreamEvent(NamedTuple):
     model: str | None  # the model that produced token_id
     index: int  # position of the token in the output
     finish_reason: str | None = None  # set on the last event of the stream
+    # token_id's log probability under `model`, and the alternatives asked for, when the request
+    # asked (submit's logprobs / top_logprobs)
+    logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -29,6 +33,7 @@ class GenerateResult:
     models: list[str]  # per output token
     finish_reason: str
     usage: dict  # prompt_tokens, completion_tokens, total_tokens, per_model
+    logprobs: list[TokenLogprob] | None = None  # per output token, from the model that wrote it, when asked
 
 
 class EventStream:

@@ -12,6 +12,8 @@ from aiorouter.launch import LaunchControl
 from aiorouter.metrics import RouterMetrics
 from aiorouter.request import Release, RouterError, RouterRequest, StreamEvent
 from engines import SamplingParams
+from engines.grammar import GrammarState
+from engines.logprobs import TokenLogprob
 from engines.output import Commit, OutputStream
 from policies.base import Policy
 
@@ -25,17 +27,21 @@ class RequestTable:
         return len(self.active)
 
     def new(self, ids: list[int], sampling: SamplingParams, policy: Policy, tokenizer, eos_ids: tuple[int, ...],
-            max_model_len: int) -> RouterRequest:
-        out = OutputStream(list(ids), len(ids), sampling, eos_ids, max_model_len, tokenizer, defer_text=True)
+            max_model_len: int, grammar: GrammarState | None = None) -> RouterRequest:
+        """`grammar`: the request's structured-output state, kept on its output stream, through which
+        every committed token passes, whichever model wrote it."""
+        out = OutputStream(list(ids), len(ids), sampling, eos_ids, max_model_len, tokenizer, defer_text=True,
+                           grammar=grammar)
         req = RouterRequest(uuid.uuid4().hex, out, policy, len(self.names))
         self.active[req.rid] = req
         self.metrics.requests_started += 1
         self._count()
         return req
 
-    def commit(self, req: RouterRequest, tokens: list[int], model: int) -> None:
+    def commit(self, req: RouterRequest, tokens: list[int], model: int, logprob: TokenLogprob | None = None) -> None:
         """`model` commits `tokens` for `req` that no engine sequence takes (the tokens a policy's
-        send carries): each is streamed as one event; a stop ends the request."""
+        send carries): each is streamed as one event; a stop ends the request. `logprob`: the
+        first token's (the one `model` sampled), when the request asked."""
         for t in tokens:
             if req.finished:
                 return
@@ -44,16 +50,19 @@ class RequestTable:
             except Exception as e:
                 self.failed_commit(req, t, model, e)
                 return
-            self.publish(req, t, c, model)
+            self.publish(req, t, c, model, logprob)
+            logprob = None
 
-    def publish(self, req: RouterRequest, token: int, c: Commit, model: int) -> None:
-        """`token`, committed to `req`'s output by `model` (`c`), goes out as one event; a stop ends the request."""
+    def publish(self, req: RouterRequest, token: int, c: Commit, model: int,
+                logprob: TokenLogprob | None = None) -> None:
+        """`token`, committed to `req`'s output by `model` (`c`), goes out as one event (with its
+        log probability, when the request asked); a stop ends the request."""
         name = self.names[model]
         req.trace.append(model)
         self.metrics.models[name].tokens_committed += 1
         if req.t_first_token is None:
             req.t_first_token = time.perf_counter()
-        req.events.push(StreamEvent(token, c.text, name, req.num_output_tokens - 1, c.finish_reason))
+        req.events.push(StreamEvent(token, c.text, name, req.num_output_tokens - 1, c.finish_reason, logprob))
         if c.finish_reason is not None:
             self._end(req)
 

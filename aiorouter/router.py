@@ -27,11 +27,15 @@ from aiorouter.config import RouterConfig
 from aiorouter.launch import MODES, LaunchControl, parse_thresholds
 from aiorouter.metrics import RouterMetrics
 from aiorouter.request import GenerateResult, NewRequest, RouterError, RouterRequest, RouterUnavailable, StreamEvent
+from aiorouter import scoring
 from aiorouter.requests import RequestTable
+from aiorouter.scoring import ScoreResult
 from aiorouter.spec import ModelSpec
 from aiorouter.subserver import Subserver
 from engines import Engine, SamplingParams
 from engines.engine import KVUsage
+from engines.grammar import StructuredOutput
+from engines.logprobs import requested
 from engines.runner import ForwardOutput
 from engines.streams import StreamFactory
 from policies import ModelInfo, Policy, make_policy
@@ -389,34 +393,86 @@ class Router:
 
     def submit(self, prompt: Prompt, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, min_p: float = 0.0, seed: int | None = None, stop: str | list[str] | None = None,
-               ignore_eos: bool = False, policy: Policy | None = None) -> RouterRequest:
+               ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0,
+               repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+               logit_bias: Mapping[int, float] | None = None, stop_token_ids: list[int] | None = None,
+               min_tokens: int = 0, skip_special_tokens: bool = True, include_stop_str_in_output: bool = False,
+               structured: StructuredOutput | Mapping[str, Any] | None = None,
+               policy: Policy | None = None) -> RouterRequest:
         """Validate and enqueue a request; read its events with `events`. Most users want `stream`.
         Decoding is greedy unless told otherwise (a library call should be reproducible); the HTTP
-        server fills omitted fields from the model's generation_config.json instead, as vLLM does."""
+        server fills omitted fields from the model's generation_config.json instead, as vLLM does.
+        `logprobs`: each event carries its token's log probability under the model that wrote it
+        (raw logits, before temperature), with the `top_logprobs` (at most 20) most probable tokens.
+        The sampling controls (penalties, `logit_bias`, `stop_token_ids`, `min_tokens`, the text
+        options) are vLLM's (engines.sampling.SamplingParams): whichever model samples applies them,
+        and the penalties count the response's tokens whichever model wrote them.
+        `structured`: the response follows a JSON schema, any JSON object, a regex, one of a list of
+        strings or an EBNF grammar, given as vLLM's `structured_outputs` ({"json": schema},
+        {"json_object": True}, {"regex": ...}, {"choice": [...]}, {"grammar": ...}) or an
+        `engines.grammar.StructuredOutput`. The grammar's state is the request's: it advances with
+        every committed token, whichever model wrote it, and each model masks its logits with it when
+        it samples. The response ends ("stop") once the grammar is complete and allows nothing more;
+        a token a policy's send commits that the grammar refuses fails the request. A grammar is
+        compiled once per distinct schema (cached); `await compile_structured(...)` first compiles
+        it off the event loop (the server does)."""
         if not self._tasks:
             raise RuntimeError("router is not started: use `async with Router(...)` or `await router.start()`")
         if self._down:
             raise RouterUnavailable(self.dead or "; ".join(self._down.values()))
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 min_p=min_p, seed=seed, stop=tuple([stop] if isinstance(stop, str) else (stop or ())),
-                                ignore_eos=ignore_eos)
+                                ignore_eos=ignore_eos, logprobs=requested(logprobs, top_logprobs),
+                                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, logit_bias=logit_bias or (),
+                                stop_token_ids=tuple(stop_token_ids or ()), min_tokens=min_tokens,
+                                skip_special_tokens=skip_special_tokens,
+                                include_stop_str_in_output=include_stop_str_in_output,
+                                structured=self._structured(structured))
         ids = self.prompt_ids(prompt)
+        self.check_prompt(ids)
+        self.subservers[self.entry].engine.validate_sampling(params, self._extra_rows[self.entry])
+        pol = self._request_policy(policy)
+        grammar = self.subservers[self.entry].engine.grammars.state(params.structured) if params.structured else None
+        req = self._requests.new(ids, params, pol, self.tokenizer, self._eos_ids, self.max_model_len, grammar)
+        self._launch.post(self._admit(pol, req, prompt, ids), NewRequest(req))
+        return req
+
+    def check_prompt(self, ids: list[int]) -> None:
+        """ValueError unless every model can take prompt `ids`: token ids of the vocabulary, and
+        shorter than each model's context (a generated token must fit)."""
         self.subservers[self.entry].engine.validate_prompt(ids, self._extra_rows[self.entry])
         for s in self.subservers:
             if len(ids) >= s.engine.max_model_len:
                 raise ValueError(f"prompt has {len(ids)} tokens; model {s.name!r} has context {s.engine.max_model_len}")
-        if policy is not None:
-            policy.bind(self.names)
-            policy.setup(self._models)
-            if self._vocabulary_check(policy) != self._extra_rows:
-                raise ValueError(f"policy {policy.name!r} reads other output rows than the router's "
-                                 f"policy {self.policy.name!r}: it cannot route this router's requests")
-            if self.config.faults is not None:  # tests only: this request's policy meets the plan too
-                policy = self.config.faults.wrap_policy(policy)
-        pol = policy or self.policy
-        req = self._requests.new(ids, params, pol, self.tokenizer, self._eos_ids, self.max_model_len)
-        self._launch.post(self._admit(pol, req, prompt, ids), NewRequest(req))
-        return req
+
+    def _request_policy(self, policy: Policy | None) -> Policy:
+        """The policy a request runs under: the router's, or its own bound and set up here."""
+        if policy is None:
+            return self.policy
+        policy.bind(self.names)
+        policy.setup(self._models)
+        if self._vocabulary_check(policy) != self._extra_rows:
+            raise ValueError(f"policy {policy.name!r} reads other output rows than the router's "
+                             f"policy {self.policy.name!r}: it cannot route this router's requests")
+        if self.config.faults is not None:  # tests only: this request's policy meets the plan too
+            policy = self.config.faults.wrap_policy(policy)
+        return policy
+
+    @staticmethod
+    def _structured(spec: StructuredOutput | Mapping[str, Any] | None) -> StructuredOutput | None:
+        if spec is None or isinstance(spec, StructuredOutput):
+            return spec
+        return StructuredOutput.from_mapping(spec, "structured")
+
+    async def compile_structured(self, spec: StructuredOutput | Mapping[str, Any]) -> None:
+        """Compile `spec`'s grammar in a thread, so the `submit` that follows finds it in the
+        compiler's cache and the event loop never waits on a compile (the first one also builds the
+        tokenizer's grammar tables, about 0.1 s for a 49k vocabulary). ValueError for a bad one."""
+        so = self._structured(spec)
+        if so is not None:
+            engine = self.subservers[self.entry].engine
+            await asyncio.to_thread(lambda: engine.grammars.compile(so))
 
     def _admit(self, policy: Policy, req: RouterRequest, prompt: Prompt, ids: list[int]) -> int:
         """The model the request starts on (Policy.admit). Bad input (a ValueError) is the caller's
@@ -447,6 +503,11 @@ class Router:
         async with contextlib.aclosing(self.events(req)) as events:
             async for ev in events:
                 yield ev
+
+    def abort(self, req: RouterRequest) -> None:
+        """End a submitted request on every model (a no-op once it has ended): for a caller that
+        submitted it and will not read its events (`events` aborts it when closed early)."""
+        self._requests.abort(req)
 
     async def events(self, req: RouterRequest) -> AsyncIterator[StreamEvent]:
         """The events of a submitted request; closing this iterator early aborts the request."""
@@ -484,7 +545,36 @@ class Router:
                 models.append(ev.model)
             text.append(ev.text)
             reason = ev.finish_reason or reason
+        # the events' own, one per token (the closing event without a token has none)
+        logprobs = [ev.logprob for ev in evs if ev.token_id is not None] if req.sampling.logprobs is not None else None
         n_prompt = req.num_prompt_tokens
         usage = {"prompt_tokens": n_prompt, "completion_tokens": len(ids), "total_tokens": n_prompt + len(ids),
                  "per_model": {n: models.count(n) for n in self.names}}
-        return GenerateResult("".join(text), ids, models, reason, usage)
+        return GenerateResult("".join(text), ids, models, reason, usage, logprobs)
+
+    async def score(self, prompt: Prompt, *, top_logprobs: int = 0, policy: Policy | None = None) -> ScoreResult:
+        """The routed log probability of each token of `prompt` (a `Prompt`; text is tokenized as
+        `prompt_ids` does, BOS included), teacher-forced: each position scored by the model the
+        policy routes it to, the policy seeing what it would see while generating that text
+        (aiorouter/scoring.py says exactly what, and what "the prompt" is to a policy: the first
+        token). With `single`, the entry model's values. `top_logprobs`: that many alternatives per
+        position (at most 20). Each model the policy reaches prefills the text once; the KV pages
+        it takes are back in the pool when this returns. The first token has no value (None).
+        Bad input is a ValueError; a policy that cannot be replayed so (or raises) a RouterError
+        naming it; a model whose KV pool has too few free pages now, RouterUnavailable (retry)."""
+        if not self._tasks:
+            raise RuntimeError("router is not started: use `async with Router(...)` or `await router.start()`")
+        if self._down:
+            raise RouterUnavailable(self.dead or "; ".join(self._down.values()))
+        k = requested(True, top_logprobs)
+        ids = self.prompt_ids(prompt)
+        self.check_prompt(ids)
+        pol = self._request_policy(policy)
+        first = self.tokenizer.decode(ids[:scoring.PROMPT_TOKENS]) if pol.admits and self.tokenizer is not None else None
+        models = [scoring.ScoredModel(s.name, s.engine, s.worker, x) for s, x in zip(self.subservers, self._extra_rows)]
+        try:
+            return await scoring.score(models, pol, self.entry, ids, k, first)
+        except RouterError:
+            raise
+        except Exception as e:  # the input was checked above: a policy's (or a model's) failure, named
+            raise RouterError(f"scoring under policy {pol.name!r} failed: {e!r}") from e

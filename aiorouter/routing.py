@@ -15,6 +15,7 @@ from aiorouter.request import Handoff, RouterError, RouterRequest
 from aiorouter.requests import RequestTable
 from engines import Engine, Sequence
 from engines.engine import Decided
+from engines.logprobs import TokenLogprob
 from engines.runner import ForwardOutput
 from engines.worker import Worker
 from policies.base import STAY, PeerReq, Policy, ReqView, StepResult
@@ -65,7 +66,7 @@ class Routing:
                 groups.setdefault(id(req.policy), (req.policy, []))[1].append(row)
         stays: list[tuple[Sequence, int]] = []
         sends: dict[int, list[tuple[RouterRequest, PeerReq]]] = {}  # per peer: what this step hands it
-        i = self.index
+        i, lps = self.index, out.logprobs
         for policy, group in groups.values():
             peers = policy.peers(i)
             for req, d, row, views, k in await self._decide(policy, out, group):
@@ -73,7 +74,7 @@ class Routing:
                     if not req.finished:  # (it may have ended while an isolating re-route ran: a client gone)
                         stays.append((req.local[i], out.next_tokens[row]))
                 elif not req.finished:
-                    self._hand_off(policy, peers, req, d, views[k], sends)
+                    self._hand_off(policy, peers, req, d, views[k], sends, lps[row] if lps is not None else None)
         for target, reqs in sends.items():
             self.launch.post(target, Handoff(tuple(reqs), self.index))
         return Decided(stays, [req.local[self.index] for reqs in sends.values() for req, _ in reqs])
@@ -128,9 +129,9 @@ class Routing:
 
     # -- handoffs --------------------------------------------------------------------------------
     def _hand_off(self, policy: Policy, peers: list[int], req: RouterRequest, dest: int, view: ReqView,
-                  sends: dict[int, list[tuple[RouterRequest, PeerReq]]]) -> None:
+                  sends: dict[int, list[tuple[RouterRequest, PeerReq]]], logprob: TokenLogprob | None = None) -> None:
         """The policy's send for a request routed to `peers[dest - 1]`: into `sends` when it leaves
-        (it may end instead, or fail)."""
+        (it may end instead, or fail). `logprob`: the sampled token's, when the request asked."""
         try:
             if not 1 <= dest <= len(peers):
                 raise RouterError(f"policy {policy.name!r} routed to peer {dest} from model {self.name!r}, "
@@ -138,6 +139,10 @@ class Routing:
             target = peers[dest - 1]
             pr = policy.send(view._replace(peer=target))
             new = self._check_send(policy, req, pr, target)
+            if logprob is not None and new and new != [view.sampled]:
+                raise RouterError(f"policy {policy.name!r}.send commits tokens model {self.name!r} did not sample "
+                                  f"({new}, sampled {view.sampled}): their log probabilities, which this request "
+                                  "asked for, are unknown")
         except Exception as e:
             self.requests.fail(req, e if isinstance(e, RouterError) else
                                RouterError(f"policy {policy.name!r} raised in send on model {self.name!r}: {e!r}"))
@@ -145,7 +150,7 @@ class Routing:
         if self.observe is not None:
             self.observe(self.index, target, len(new), 1)
         if new:
-            self.requests.commit(req, new, self.index)
+            self.requests.commit(req, new, self.index, logprob)
         if pr.finished:
             self.requests.finish(req)
         if not req.finished:

@@ -12,6 +12,7 @@ class BlockManager:
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
         self.num_prefix_matches = 0  # admissions that ran prefix matching (handoff-resume must not)
+        self.num_hit_tokens = 0  # tokens those admissions found in the cache
 
     # -- accounting --------------------------------------------------------------------------
     @property
@@ -58,6 +59,7 @@ class BlockManager:
             seq.last_page_key = key
         seq.num_registered_pages = len(seq.block_table)
         seq.num_cached_tokens = seq.num_computed_tokens = len(seq.block_table) * self.page_size
+        self.num_hit_tokens += seq.num_cached_tokens
 
     def _take_page(self) -> int:
         if self.allocator.num_free == 0 and self.prefix_cache is not None:

@@ -26,8 +26,11 @@ class IncrementalDetokenizer:
     """Decodes a growing token list window by window (as TGI/vLLM do), holding back a piece
     that ends in U+FFFD: a multi-byte character split across tokens is emitted once whole."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int] | None = None, context: int = 4):
+    def __init__(self, tokenizer, prompt_ids: list[int] | None = None, context: int = 4,
+                 skip_special_tokens: bool = True):
+        """`skip_special_tokens`: special tokens decode to nothing (vLLM's default), else to their text."""
         self.decode = fast_decode(tokenizer)
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list((prompt_ids or [])[-context:])  # context so leading spaces decode right
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -36,8 +39,9 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token and return the newly final text (maybe empty)."""
         self.ids.append(token_id)
-        prefix = self.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        full = self.decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        skip = self.skip_special_tokens
+        prefix = self.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
+        full = self.decode(self.ids[self.prefix_offset:], skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix):]
@@ -47,8 +51,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end: whatever is left, even an incomplete character."""
-        full = self.decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
-        prefix = self.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        skip = self.skip_special_tokens
+        full = self.decode(self.ids[self.prefix_offset:], skip_special_tokens=skip)
+        prefix = self.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
         delta = full[len(prefix):] if len(full) > len(prefix) else ""
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta

@@ -15,10 +15,13 @@ import torch
 from engines.block_manager import BlockManager
 from engines.config import EngineConfig, ModelConfig
 from engines.devices import parse_devices
+from engines.grammar import Grammars
+from engines.logprobs import TokenLogprob
 from engines.output import Commit, OutputStream
 from engines.runner import ForwardOutput, LayerHook, ModelRunner, ScheduledSeq
 from engines.sampling import SamplingParams
 from engines.scheduler import Scheduler
+from engines.scoring import PromptScores
 from engines.sequence import Sequence
 from engines.streams import StreamFactory
 from engines.weights import load_model
@@ -45,6 +48,7 @@ class GenerateOutput:
     text: str
     finish_reason: str
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprob] | None = None  # per output token, when the request asked (SamplingParams.logprobs)
 
 
 class KVUsage(NamedTuple):
@@ -56,6 +60,10 @@ class KVUsage(NamedTuple):
     preemptions: int
     parked: int  # sequences kept out of batches while a peer serves them
     ready: int  # sequences a step could compute now (waiting or running)
+    # prompt tokens admissions found in the prefix cache (not computed), and tokens computed as part
+    # of an extend (a prompt, a chunk of one, a resume): together, how often a prompt was prefilled
+    prefix_hit_tokens: int = 0
+    prefill_tokens: int = 0
 
 
 class RunSpan(NamedTuple):
@@ -79,6 +87,9 @@ class StepReport:
     failed: tuple[tuple[Sequence, Exception], ...]  # sequences whose forward raised even alone
     bad: tuple[Sequence, ...]  # NaN/inf logits: nothing decided or committed, the sequence must fail
     commits: tuple[tuple[Sequence, int, Commit | Exception], ...]  # per kept token: as `commit` returned it
+    # per kept token, in `commits`' order, its log probability (None where its request did not ask);
+    # None when no row of the step asked (engines/logprobs.py)
+    logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class Decided(NamedTuple):
@@ -158,6 +169,8 @@ class Engine:
         self.scheduler = Scheduler(ecfg, self.block_manager)
         self.stats = EngineStats()
         self._reserved_rows = 0  # output rows past the token vocabulary (reserve_output_rows)
+        self._grammars: Grammars | None = None  # made by the first structured request (`grammars`)
+        self._scoring: dict[int, BlockManager] = {}  # id(sequence) -> the pool a score took its pages from
 
     @property
     def vocab_size(self) -> int:
@@ -225,6 +238,15 @@ class Engine:
             raise ValueError(f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
                              "(prompt plus at least one generated token must fit)")
 
+    def validate_sampling(self, params: SamplingParams, reserved_rows: int | None = None) -> None:
+        """The token ids `params` names are this model's: a logit_bias or stop_token_ids entry past
+        the vocabulary would otherwise fail the steps of every request batched with it."""
+        V = self.model_config.vocab_size - (self.reserved_rows if reserved_rows is None else reserved_rows)
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {V})")
+
     def add(self, token_ids: list[int], sampling: SamplingParams, num_prompt_tokens: int | None = None,
             user_data: object = None, output: OutputStream | None = None, want_hidden: bool = False) -> Sequence:
         """A new sequence for this engine, ready now (prefix matching and admission happen when it
@@ -259,7 +281,7 @@ class Engine:
         bm = self.block_manager
         return KVUsage(bm.num_pages, bm.num_used_pages, bm.num_free_pages, bm.num_cached_pages,
                        bm.num_prefix_matches, self.scheduler.num_preemptions, len(self.scheduler.parked),
-                       self.scheduler.num_ready)
+                       self.scheduler.num_ready, bm.num_hit_tokens, self.stats.num_prefill_tokens)
 
     def reset(self) -> None:
         """Forget every sequence: a fresh scheduler, block manager and prefix cache over the same
@@ -274,6 +296,45 @@ class Engine:
         """Forget every cached page that no live sequence holds (a server's cache flush between
         benchmark runs, like SGLang's /flush_cache); returns the pages freed."""
         return self.block_manager.reset_prefix_cache()
+
+    # -- prompt scoring (engines/scoring.py) -----------------------------------------------------
+    # Three parts, as a step's: the pages are taken and given back on the owner's thread (the
+    # scheduler's), the prefill runs where the owner runs forwards (its worker), between its steps.
+    def score_begin(self, token_ids: list[int], reserved_rows: int | None = None) -> Sequence:
+        """A sequence outside the scheduler holding the KV pages the text's prefill writes, taken
+        from the pool now. ValueError for a bad text, or when the pool has too few free pages now."""
+        self.validate_prompt(token_ids, reserved_rows)
+        seq = Sequence(list(token_ids), SamplingParams(max_tokens=1))
+        if not self.block_manager.reserve(seq, len(token_ids) - 1):
+            raise ValueError(f"scoring {len(token_ids)} tokens needs {self.block_manager.pages_needed(seq, len(token_ids) - 1)} "
+                             f"KV pages; {self.block_manager.num_free_pages} are free now")
+        self._scoring[id(seq)] = self.block_manager
+        return seq
+
+    def score_run(self, seq: Sequence, k: int = 0, want_logits: bool = False, want_hidden: bool = False,
+                  reserved_rows: int | None = None) -> PromptScores:
+        """The prefill of `score_begin`'s sequence -> every position's scores, with the `k` most
+        probable tokens of each, and its raw logits and hidden states when asked (a policy reads
+        them). `reserved_rows` as in `execute`: those rows are not tokens, never scored."""
+        n = self.reserved_rows if reserved_rows is None else reserved_rows
+        return self.runner.score(seq, self.config.max_num_batched_tokens, self.model_config.vocab_size - n, k,
+                                 want_logits, want_hidden)
+
+    def score_end(self, seq: Sequence) -> None:
+        """Its pages go back to the pool (none were offered to the prefix cache); after a `reset`
+        meanwhile, the pool they came from is gone and nothing is given back."""
+        if self._scoring.pop(id(seq), None) is self.block_manager:
+            self.block_manager.free(seq)
+
+    def score(self, prompt: str | list[int], k: int = 0) -> PromptScores:
+        """The engine alone: the log probability this model gives each token of `prompt` but the
+        first (teacher-forced, one prefill), with its `k` most probable alternatives."""
+        ids = self.tokenize(prompt)
+        seq = self.score_begin(ids)
+        try:
+            return self.score_run(seq, k)
+        finally:
+            self.score_end(seq)
 
     # -- one step: schedule -> execute -> finish -> commit --------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
@@ -297,11 +358,14 @@ class Engine:
         worker thread while the loop goes on. `want_hidden` None: when a sequence of the batch wants
         them (`add`). `reserved_rows`: output rows never sampled (None: this engine's own);
         `layer_hook`: runs before each layer of a CPU step (cpu_threads.CoreShare). Both come per
-        call: a router's choices stay the router's, the engine is not changed."""
+        call: a router's choices stay the router's, the engine is not changed. Log probabilities
+        are computed for the rows that ask while a live sequence has asked (`Scheduler.num_logprobs`,
+        read here in the worker thread: a sequence that ends meanwhile has no token left to take them)."""
         n = self.reserved_rows if reserved_rows is None else reserved_rows
         if want_hidden is None:
             want_hidden = any(seq.want_hidden for seq, _ in batch)
-        return self.runner.run(batch, want_hidden, self.model_config.vocab_size - n if n else None, layer_hook)
+        return self.runner.run(batch, want_hidden, self.model_config.vocab_size - n if n else None, layer_hook,
+                               self.scheduler.num_logprobs > 0)
 
     def finish(self, batch: list[ScheduledSeq], out: ForwardOutput) -> ForwardOutput:
         """The batch's K/V are written: advance the sequences and count the step. Tokens are not
@@ -338,6 +402,10 @@ class Engine:
         for _, _, c in report.commits:
             if isinstance(c, Exception):
                 raise c
+        if report.logprobs is not None:
+            for (seq, _, _), lp in zip(report.commits, report.logprobs):
+                if lp is not None and seq.logprobs is not None:
+                    seq.logprobs.append(lp)
         return [s for s, _, _ in report.commits if s.is_finished] + list(report.bad)
 
     async def step_async(self, worker: Worker | None, decide: Decide, forward: Forward | None = None, *,
@@ -371,8 +439,23 @@ class Engine:
         # the policy decided (a client gone) refuses its token here; each token committed is in the
         # report, for the owner to stream (a router does once its next step has launched).
         commits = tuple((seq, token, c) for (seq, token), c in zip(stays, self.commit(stays)))
+        logprobs = None
+        for _, out, _ in parts:  # (one part but when a step was isolated)
+            if out.logprobs is not None:
+                logprobs = self._stay_logprobs(parts, stays)
+                break
         return StepReport(launched, returned, finished, tuple(waits), tuple(span for _, _, span in parts),
-                          tuple(failed), tuple(out.seqs[r] for _, out, _ in parts for r in out.bad_rows), commits)
+                          tuple(failed), tuple(out.seqs[r] for _, out, _ in parts for r in out.bad_rows), commits,
+                          logprobs)
+
+    @staticmethod
+    def _stay_logprobs(parts: list[tuple[list[ScheduledSeq], ForwardOutput, RunSpan]],
+                       stays: list[tuple[Sequence, int]]) -> tuple[TokenLogprob | None, ...]:
+        """Per kept token, the log probability its row's step computed (each token kept is the one
+        its row sampled). Only for a step where a row asked: a lookup per kept token."""
+        found = {seq: lp for _, out, _ in parts if out.logprobs is not None
+                 for seq, lp in zip(out.seqs, out.logprobs) if lp is not None}
+        return tuple(found.get(seq) for seq, _ in stays)
 
     async def _isolating(self, worker: Worker | None, forward: Forward, batch: list[ScheduledSeq],
                          failed: list[tuple[Sequence, Exception]] | None
@@ -428,13 +511,29 @@ class Engine:
         return got
 
     # -- the engine alone: requests with text (vLLM's LLM in spirit) ----------------------------
+    @property
+    def grammars(self) -> Grammars:
+        """The compiler of this engine's structured outputs (its tokenizer's; made on first use, so
+        an engine that never sees a structured request never loads xgrammar)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer: this engine has none")
+            self._grammars = Grammars(self.tokenizer, self.model_config.eos_token_ids)
+        return self._grammars
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
         ids = self.tokenize(prompt)
         self.validate_prompt(ids)
         params = params or SamplingParams()
+        self.validate_sampling(params)
         # the stream appends to the sequence's own token list (tokenize made it): one list, committed once
-        out = OutputStream(ids, len(ids), params, self.model_config.eos_token_ids, self.max_model_len, self.tokenizer)
-        return self.add(ids, params, output=out)
+        grammar = self.grammars.state(params.structured) if params.structured is not None else None
+        out = OutputStream(ids, len(ids), params, self.model_config.eos_token_ids, self.max_model_len, self.tokenizer,
+                           grammar=grammar)
+        seq = self.add(ids, params, output=out)
+        if params.logprobs is not None:  # `step` collects them here, `generate` returns them
+            seq.logprobs = []
+        return seq
 
     def append_token(self, seq: Sequence, token: int) -> str | None:
         """Commit one token (`commit` for one sequence); returns the finish reason if it is now done."""
@@ -487,4 +586,4 @@ class Engine:
             if pbar is not None:
                 pbar.close()
         return [GenerateOutput(s.token_ids[:s.num_prompt_tokens], s.output_ids, s.output.text,
-                               s.finish_reason or "", s.num_cached_tokens) for s in seqs]
+                               s.finish_reason or "", s.num_cached_tokens, s.logprobs) for s in seqs]

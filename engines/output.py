@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from engines.detokenizer import IncrementalDetokenizer
+from engines.grammar import GrammarState
 from engines.sampling import SamplingParams
 
 
@@ -22,18 +23,32 @@ class OutputStream:
     cut where one completes, so streamed text never has to be retracted."""
 
     def __init__(self, token_ids: list[int], num_prompt_tokens: int, sampling: SamplingParams,
-                 eos_ids: tuple[int, ...], max_model_len: int, tokenizer=None, defer_text: bool = False):
+                 eos_ids: tuple[int, ...], max_model_len: int, tokenizer=None, defer_text: bool = False,
+                 grammar: GrammarState | None = None):
         """`defer_text`: commit tokens without detokenizing them, the text made when its reader asks
         (`text_of`, once per token, in order: a router's client, after the step that committed them
-        has launched the next); honoured only when no stop string needs the text at commit."""
+        has launched the next); honoured only when no stop string needs the text at commit.
+        `grammar`: the request's structured-output state (`sampling.structured`), here because every
+        committed token passes through this stream, whichever model wrote it (engines/grammar.py)."""
+        if (sampling.structured is None) != (grammar is None):
+            raise ValueError("an output stream needs a grammar state exactly when its sampling asks for structured output")
+        self.grammar = grammar
         self.token_ids, self.num_prompt_tokens, self.sampling = token_ids, num_prompt_tokens, sampling
         self.eos_ids, self.max_model_len = eos_ids, max_model_len
-        self.detok = IncrementalDetokenizer(tokenizer, token_ids[:num_prompt_tokens]) if tokenizer else None
+        self.detok = IncrementalDetokenizer(tokenizer, token_ids[:num_prompt_tokens],
+                                            skip_special_tokens=sampling.skip_special_tokens) if tokenizer else None
         self.defer_text = defer_text and self.detok is not None and not sampling.stop
         self.texted = 0  # output tokens detokenized (all that were committed, unless defer_text)
         self.finish_reason: str | None = None
         self.emitted_chars = 0  # text streamed so far
         self.stop_cut: int | None = None  # where a stop string cuts the text
+        self.longest_stop = max(map(len, sampling.stop), default=0)
+        # text before this index cannot start a stop string not found yet: each check reads only the
+        # new text's end (as vLLM's), so any number of stop strings costs per token, not per length
+        self.searched = 0
+        # the response ended on a stop token (EOS or one of stop_token_ids) whose text is left out,
+        # as vLLM leaves it out unless include_stop_str_in_output
+        self.hides_last = False
 
     @property
     def num_output_tokens(self) -> int:
@@ -52,15 +67,21 @@ class OutputStream:
         """Commit one token: stop checks, then the text that is now final."""
         if self.finished:
             raise RuntimeError(f"token {token} committed after the request finished ({self.finish_reason})")
+        # the grammar refuses a token off it before the token is kept (its request fails)
+        complete = self.grammar is not None and self.grammar.accept(token)
         self.token_ids.append(token)
+        reason = self._token_stop(token)
+        self.hides_last = reason is not None and not self.sampling.include_stop_str_in_output
+        if complete and reason is None:  # the grammar's last token is text: not hidden as a stop token's
+            reason = "stop"
         if self.defer_text:
-            reason = self._stop_reason(token)
-            self.finish_reason = reason
-            return Commit(None, reason)
+            self.finish_reason = reason or self._length_stop()
+            return Commit(None, self.finish_reason)
         if self.detok is not None:
-            self.detok.add(token)
+            if not self.hides_last:
+                self.detok.add(token)
             self.texted += 1
-        reason = self._stop_reason(token)
+        reason = reason or self._string_stop() or self._length_stop()
         if reason is not None:
             self.finish_reason = reason
         return Commit(self._take_text(final=reason is not None), reason)
@@ -83,21 +104,37 @@ class OutputStream:
             if at >= len(ids) or ids[at] != token:
                 raise RuntimeError(f"text asked for token {token} out of order (output token {self.texted} "
                                    f"is {ids[at] if at < len(ids) else None})")
-            self.detok.add(token)
+            if not (final and self.hides_last and at == len(ids) - 1):  # the stop token's text is left out
+                self.detok.add(token)
             self.texted += 1
         return self._take_text(final)
 
-    def _stop_reason(self, token: int) -> str | None:
-        p, n = self.sampling, self.num_output_tokens
-        if n >= p.min_tokens:
-            if (not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids:
-                return "stop"
-            if p.stop and self.detok is not None:
-                hits = [i for i in (self.detok.text.find(s) for s in p.stop) if i >= 0]
-                if hits:
-                    self.stop_cut = min(hits)
-                    return "stop"
-        if n >= p.max_tokens or len(self.token_ids) >= self.max_model_len:
+    def _token_stop(self, token: int) -> str | None:
+        p = self.sampling
+        if self.num_output_tokens >= p.min_tokens and (
+                (not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids):
+            return "stop"
+        return None
+
+    def _string_stop(self) -> str | None:
+        """A stop string in the text: the text is cut at its start (at its end with
+        include_stop_str_in_output), at the earliest one when several end in the same token."""
+        p = self.sampling
+        if not p.stop or self.detok is None:
+            return None
+        text, start = self.detok.text, self.searched
+        self.searched = max(start, len(text) - self.longest_stop + 1)
+        if self.num_output_tokens < p.min_tokens:
+            return None
+        hits = [(i, s) for s in p.stop if (i := text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        i, s = min(hits, key=lambda h: h[0])
+        self.stop_cut = i + len(s) if p.include_stop_str_in_output else i
+        return "stop"
+
+    def _length_stop(self) -> str | None:
+        if self.num_output_tokens >= self.sampling.max_tokens or len(self.token_ids) >= self.max_model_len:
             return "length"
         return None
 
@@ -111,7 +148,7 @@ class OutputStream:
         if self.stop_cut is not None:
             end = self.stop_cut
         elif self.sampling.stop and not final:  # a stop string may still be forming at the end
-            end = max(self.emitted_chars, len(text) - max(len(s) for s in self.sampling.stop) + 1)
+            end = max(self.emitted_chars, len(text) - self.longest_stop + 1)
         delta = text[self.emitted_chars:end]
         self.emitted_chars = max(self.emitted_chars, end)
         return delta

@@ -19,8 +19,10 @@ from engines.config import EngineConfig, ModelConfig
 from engines.cuda_graph import DECODE_BUCKETS, StepGraphs
 from engines.devices import LayerSlice, StageKV, host_tensor, split_layers
 from engines.kv_cache import KVPool
+from engines.logprobs import TokenLogprob, step_logprobs
 from engines.model import AttnContext, CausalLM, rope_cache, signed_sin
 from engines.sampling import nonfinite_host_rows, nonfinite_rows, sample, sample_batched
+from engines.scoring import PromptScores, chunk_scores
 from engines.sequence import Sequence
 from engines.streams import StreamFactory
 
@@ -47,6 +49,9 @@ class ForwardOutput(NamedTuple):
     # [B] int64 on the host: next_tokens as the sampler's tensor, made in the worker thread (a policy
     # reads it; built again on the event loop, every torch call there lets a worker take the GIL)
     sampled: torch.Tensor | None = None
+    # [B] per row the log probability of its token (engines/logprobs.py), None for a row that did
+    # not ask; None when no row of the step asked
+    logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class Stage(NamedTuple):
@@ -195,12 +200,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], want_hidden: bool = False, sample_vocab: int | None = None,
-            layer_hook: LayerHook | None = None) -> ForwardOutput:
+            layer_hook: LayerHook | None = None, want_logprobs: bool = False) -> ForwardOutput:
         """Compute the scheduled tokens, write their K/V, and sample for every sequence whose
         known tokens are now all computed (a mid-prompt prefill chunk samples nothing).
         `sample_vocab`: sample token ids below it (None: every output row); the rows past it are
         not tokens (Co-LLM's deferral row), a routing policy reads them. The caller passes it and
-        `layer_hook` per step, so one runner serves callers that want different ones."""
+        `layer_hook` per step, so one runner serves callers that want different ones.
+        `want_logprobs`: a sequence of the engine asked for log probabilities, so the step looks for
+        the rows that did (False: it looks at none; `Scheduler.num_logprobs`)."""
         # decodes first, longest context first: the attention backend pads decodes by length group
         batch = sorted(batch, key=lambda s: (not (s.num_tokens == 1 and s.seq.num_computed_tokens > 0),
                                              -s.seq.num_computed_tokens))
@@ -221,11 +228,15 @@ class ModelRunner:
             tok_logits = logits if sample_vocab is None else logits[:, :sample_vocab]  # [B, V]
             if not self.cuda:  # NaN/inf rows: those sequences fail alone, the rest commit
                 bad_rows = nonfinite_host_rows(tok_logits)
-                tokens = sample(tok_logits, params, gens, bad_rows)
+                tokens = sample(tok_logits, params, gens, bad_rows, seqs)
+                lp = step_logprobs(tok_logits, tokens, [p.logprobs for p in params]) if want_logprobs else None
                 return ForwardOutput(seqs, logits, tokens.tolist(), last.float() if want_hidden else None, bad_rows,
-                                     tokens)
+                                     tokens, lp.entries(len(seqs)) if lp is not None else None)
             bad = nonfinite_rows(tok_logits)  # [B] bool, read back with the tokens
-            tokens = sample_batched(tok_logits, params, gens)
+            tokens = sample_batched(tok_logits, params, gens, seqs)
+            lp = step_logprobs(tok_logits, tokens, [p.logprobs for p in params]) if want_logprobs else None
+            if lp is not None:
+                lp = lp.to_host()  # copies queued before the event: read once it has fired
             # the step's only wait: copies into pinned memory, then one event, waited on in this thread
             host = [t.to("cpu", non_blocking=True) for t in (tokens, logits, bad, last.float() if want_hidden else None)
                     if t is not None]
@@ -233,7 +244,38 @@ class ModelRunner:
             done.record(self.streams[-1])
         done.synchronize()
         return ForwardOutput(seqs, host[1], host[0].tolist(), host[3] if want_hidden else None,
-                             tuple(host[2].nonzero().flatten().tolist()), host[0])
+                             tuple(host[2].nonzero().flatten().tolist()), host[0],
+                             lp.entries(len(seqs)) if lp is not None else None)
+
+
+    @torch.inference_mode()
+    def score(self, seq: Sequence, chunk: int, vocab: int, k: int, want_logits: bool, want_hidden: bool
+              ) -> PromptScores:
+        """Prompt scoring (engines/scoring.py): prefill `seq`'s tokens but the last, in chunks of
+        `chunk` tokens, into the pages its block table holds, and score each position's next token
+        from that chunk's logits, batched per chunk. Samples nothing; `seq` is the caller's to free."""
+        ids = seq.token_ids
+        n_pos = len(ids) - 1  # positions with a next token to score
+        targets = self._host(ids[1:])
+        parts: list[tuple[torch.Tensor | None, ...]] = []
+        with self._on_streams():
+            for start in range(0, n_pos, chunk):
+                n = min(chunk, n_pos - start)
+                seq.num_computed_tokens = start  # this chunk computes ids[start:start + n] over the ones before
+                layout, input_ids, positions = self.layout([ScheduledSeq(seq, n)])
+                hidden = self.forward(layout, input_ids, positions)  # [n, hidden]
+                logits = self.model.compute_logits(hidden)  # [n, rows] fp32
+                token, top_ids, top = chunk_scores(logits, up(targets[start:start + n], logits.device), vocab, k)
+                parts.append(tuple(t.to("cpu") if t is not None else None for t in
+                                   (token, top_ids, top, logits if want_logits else None,
+                                    hidden.float() if want_hidden else None)))
+            seq.num_computed_tokens = n_pos
+
+        def cat(i: int) -> torch.Tensor | None:
+            return torch.cat([p[i] for p in parts]) if parts and parts[0][i] is not None else None
+        if not parts:  # a one-token text: nothing to score
+            return PromptScores(torch.empty(0), None, None, None, None)
+        return PromptScores(*(cat(i) for i in range(5)))
 
 
 def _with_layers(cfg: ModelConfig, n: int) -> ModelConfig:

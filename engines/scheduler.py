@@ -21,6 +21,9 @@ class Scheduler:
         self.parked: dict[int, Sequence] = {}
         self.num_preemptions = 0
         self._ids = itertools.count()  # sequence ids, per engine: several engines share a process
+        # live sequences that asked for log probabilities: while there are none, a step computes
+        # none and looks at no row for them (engines/logprobs.py)
+        self.num_logprobs = 0
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.parked)
@@ -31,8 +34,9 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def add(self, seq: Sequence) -> None:
-        if seq.seq_id < 0:
+        if seq.seq_id < 0:  # new here (a resumed sequence whose KV was dropped comes back through add)
             seq.seq_id = next(self._ids)
+            self.num_logprobs += seq.sampling.logprobs is not None
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
@@ -124,5 +128,6 @@ class Scheduler:
         elif seq.status is SeqStatus.PENDING:
             del self.parked[seq.seq_id]
         self.bm.free(seq)
+        self.num_logprobs -= seq.sampling.logprobs is not None
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engines.logprobs import TokenLogprob
 from engines.output import OutputStream
 from engines.sampling import SamplingParams
 
@@ -39,6 +40,9 @@ class Sequence:
     output: OutputStream | None = None
     t_ready: float | None = None  # when it last became ready to compute (admission-delay metric)
     want_hidden: bool = False  # its steps return hidden states (its owner's policy reads them)
+    # the engine alone (`Engine.add_request`): per committed output token its log probability, when
+    # its request asked; a router streams them with its tokens instead
+    logprobs: list[TokenLogprob] | None = None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -56,6 +60,12 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The ids that end this response: its output stream's (a router's request ends on its entry
+        model's EOS, whichever model samples); none without a stream (such a sequence never commits)."""
+        return self.output.eos_ids if self.output is not None else ()
 
     @property
     def num_uncomputed(self) -> int:

@@ -9,8 +9,10 @@ import torch
 
 from engines.config import EngineConfig, ModelConfig
 from engines.engine import Engine
+from engines.logprobs import step_logprobs
 from engines.runner import ForwardOutput, LayerHook, ScheduledSeq
 from engines.sampling import sample
+from engines.scoring import PromptScores, chunk_scores
 
 
 class ByteTokenizer:
@@ -53,23 +55,40 @@ class SimRunner:
         logits[torch.arange(len(seqs)), top] = torch.tensor([1.0 + (x >> 8) % 12 for x in h])
         return logits, top
 
+    def score(self, seq, chunk: int, vocab: int, k: int, want_logits: bool, want_hidden: bool) -> PromptScores:
+        """ModelRunner.score's contract: every position's logits as `next_logits` gives them for
+        the prefix ending there (the same function of its last token and length), all at once."""
+        ids = torch.tensor(seq.token_ids[:-1], dtype=torch.long)
+        n = len(ids)
+        h = (ids * 1_000_003 + torch.arange(1, n + 1) * 7919 + self.token_seed * 104_729) % 2_147_483_647
+        logits = torch.zeros(n, self.cfg.vocab_size)
+        logits[torch.arange(n), 32 + h % 95] = (1 + (h >> 8) % 12).float()
+        token, top_ids, top = chunk_scores(logits, torch.tensor(seq.token_ids[1:], dtype=torch.long), vocab, k)
+        seq.num_computed_tokens = n
+        return PromptScores(token, top_ids, top, logits if want_logits else None,
+                            torch.zeros(n, self.cfg.hidden_size) if want_hidden else None)
+
     def run(self, batch: list[ScheduledSeq], want_hidden: bool = False, sample_vocab: int | None = None,
-            layer_hook: LayerHook | None = None) -> ForwardOutput:
-        """ModelRunner.run's contract; `sample_vocab` and `layer_hook` have nothing to act on here
-        (SimEngine reserves no rows, and CoreShare never shares cores with a model that sleeps).
+            layer_hook: LayerHook | None = None, want_logprobs: bool = False) -> ForwardOutput:
+        """ModelRunner.run's contract (log probabilities of its logits included); `sample_vocab`
+        and `layer_hook` have nothing to act on here (SimEngine reserves no rows, and CoreShare
+        never shares cores with a model that sleeps).
         Its logits are finite by construction (no bad rows), and a greedy row's token is its one
-        positive logit's id, the argmax."""
+        positive logit's id, the argmax, unless the row's sampling controls change the logits."""
         t0 = time.perf_counter()
         seqs = [s for s, n in batch if s.num_computed_tokens + n == len(s.token_ids)]
         logits, top = self.next_logits(seqs)
         params = [s.sampling for s in seqs]
-        sampled = top if all(p.greedy for p in params) else sample(logits, params, [s.generator for s in seqs], ())
+        sampled = top if all(p.greedy and not p.adjusts_logits for p in params) else \
+            sample(logits, params, [s.generator for s in seqs], (), seqs)
         hidden = torch.zeros(len(seqs), self.cfg.hidden_size) if want_hidden else None
+        lp = step_logprobs(logits, sampled, [p.logprobs for p in params]) if want_logprobs else None
         # sleep the remainder of L(b): the bookkeeping above counts as part of the step
         rest = self.latency(len(batch)) - (time.perf_counter() - t0)
         if rest > 0:
             time.sleep(rest)
-        return ForwardOutput(seqs, logits, sampled.tolist(), hidden, (), sampled)
+        return ForwardOutput(seqs, logits, sampled.tolist(), hidden, (), sampled,
+                             lp.entries(len(seqs)) if lp is not None else None)
 
 
 class SimEngine(Engine):

@@ -15,11 +15,15 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 from pydantic import ValidationError
 
-from aiorouter import Router, RouterError, RouterUnavailable
+from aiorouter import Router, RouterError, RouterUnavailable, StreamEvent
+from engines.grammar import StructuredOutput
+from engines.sampling import SEED_MIN
 from policies import BUILTIN, PolicyArgumentError, make_policy
+from server.logprobs import LoggedToken, TokenText, chat_logprobs, completion_logprobs
 from server.openapi import openapi_document
 from server.prom import render_metrics
 from server.sampling import SamplingDefaults
+from server.structured import StructuredFieldError, structured_of
 from server.schemas import (IGNORED_HEADER, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                             TokenizeChatRequest, TokenizeCompletionRequest, unknown_fields)
 
@@ -54,6 +58,9 @@ class ServerConfig:
     # refuse a request holding a field the server does not know (400 naming it); by default such a
     # field is ignored with a logged warning and a response header, as vLLM does
     strict: bool = False
+    # the most choices one request may ask for (prompts times n, or best_of; the schema's own bound is
+    # OpenAI's 128): each costs a generation, so an operator may hold a small server to less
+    max_choices: int = 128
 
 
 _PUBLIC = frozenset({"/health", "/openapi.json"})  # answered without the API key, as vLLM's
@@ -325,6 +332,18 @@ class Server:
             return getattr(d, name) if value is None else value
         kw = dict(max_tokens=max_tokens, temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"),
                   min_p=pick("min_p"), seed=body.seed, stop=body.stop, ignore_eos=body.ignore_eos)
+        if body.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens={body.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens")
+        kw.update(repetition_penalty=pick("repetition_penalty"), presence_penalty=body.presence_penalty or 0.0,
+                  frequency_penalty=body.frequency_penalty or 0.0,
+                  logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
+                  stop_token_ids=body.stop_token_ids, min_tokens=body.min_tokens,
+                  skip_special_tokens=body.skip_special_tokens,
+                  include_stop_str_in_output=body.include_stop_str_in_output)
+        try:
+            kw["structured"] = structured_of(body)
+        except StructuredFieldError as e:
+            raise ApiError(400, str(e), param=e.param) from None
         if body.routing is not None:
             kw["policy"] = self._routing_override(body.routing)
         return kw
@@ -362,11 +381,11 @@ class Server:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, CompletionRequest)
-        return await self._generate(request, body, body.prompt, body.max_tokens, chat=False)
+        return await self._generate(request, body, body.prompts(), body.max_tokens, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, ChatCompletionRequest)
-        return await self._generate(request, body, self._messages(body), body.limit(), chat=True)
+        return await self._generate(request, body, [self._messages(body)], body.limit(), chat=True)
 
     @staticmethod
     def _messages(body) -> list[dict[str, str]]:
@@ -375,31 +394,140 @@ class Server:
         except ValueError as e:
             raise ApiError(400, f"messages: {e}", param="messages") from None
 
-    async def _generate(self, request: web.Request, body, prompt, max_tokens: int | None, chat: bool):
+    async def _generate(self, request: web.Request, body, prompts: list, max_tokens: int | None, chat: bool):
+        """Every prompt's `n` choices (`best_of`, for completions) as requests of their own. A prompt's
+        first choice is submitted now, its others once it has a token: its prompt's full KV pages
+        are in the prefix cache by then, so the prompt is prefilled once and shared (submitted
+        together, every choice would prefill it in the same step)."""
         self._require_ready()
         self._check_model(body.model)
         try:
-            ids = self.router.prompt_ids(prompt)
+            ids = [self.router.prompt_ids(p) for p in prompts]
         except ValueError as e:
             raise ApiError(400, str(e), param="prompt") from None
-        kw = self._sampling(body, max_tokens, len(ids))
+        n = body.n
+        best = getattr(body, "best_of", None) or n
+        if len(prompts) * best > self.cfg.max_choices:
+            field = "best_of" if best > n else ("n" if len(prompts) == 1 else "prompt")
+            raise ApiError(400, f"{field}: this request asks for {len(prompts) * best} choices (prompts times "
+                           f"{'best_of' if best > n else 'n'}); this server allows at most {self.cfg.max_choices} "
+                           "(aiorouter serve --max-choices)", param=field)
+        kws = [{**self._sampling(body, max_tokens, len(i)), **self._logprobs(body, chat)} for i in ids]
+        if best > n:  # the choices are ranked by their cumulative log probability
+            for kw in kws:
+                kw["logprobs"] = True
+        await self._compile_structured(kws[0]["structured"])
         await self._admit()
         self.in_flight += 1
+        submitted: list = []  # every request of this answer, aborted at the end (a no-op once over)
         try:
-            try:
-                req = self.router.submit(ids, **kw)
-            except ValueError as e:
-                raise ApiError(400, str(e)) from None
-            except RouterUnavailable as e:  # a model restarting after its subserver died: retry shortly
-                raise ApiError(503, str(e), "unavailable", headers={"Retry-After": "1"}) from None
-            # aclosing: a disconnect (the handler is cancelled) aborts the request at once
-            async with contextlib.aclosing(self.router.events(req)) as events:
-                if body.stream:
-                    return await self._sse(request, body, events, len(ids), chat)
-                return await self._whole(body, events, len(ids), chat)
+            choices = []
+            for p_ids, kw in zip(ids, kws):
+                if max_tokens == 0:  # echo alone (the schema allows 0 only with echo): nothing is generated
+                    choices += [_no_output() for _ in range(best)]
+                    continue
+                first = asyncio.Event() if best > 1 else None
+                lead = self._submit(p_ids, kw)  # a bad request is a 400 here, before any answer
+                submitted.append(lead)
+                choices.append(self._choice(lead, first))
+                choices += [self._follower(p_ids, {**kw, "seed": nth_seed(kw["seed"], k)}, first, submitted)
+                            for k in range(1, best)]
+            echoed = await self._echoed(prompts, ids, kws, body.logprobs) if getattr(body, "echo", False) else None
+            if body.stream:
+                return await self._sse(request, body, choices, sum(map(len, ids)), chat)
+            return await self._whole(body, choices, sum(map(len, ids)), chat, n, best, echoed)
         finally:
+            for req in submitted:
+                self.router.abort(req)
             self.in_flight -= 1
             self._slots.release()
+
+    async def _echoed(self, prompts: list, ids: list[list[int]], kws: list[dict[str, Any]], k: int | None
+                      ) -> list[tuple[str, list[LoggedToken] | None]]:
+        """Per prompt, what `echo` puts before its choices: the prompt's text (as sent, or its ids
+        decoded), and with `logprobs` k its tokens scored (Router.score, under the request's
+        policy) with k alternatives each, text offsets counted over the tokens' own texts."""
+        out = []
+        text = TokenText(self.router.tokenizer)
+        for prompt, p_ids, kw in zip(prompts, ids, kws):
+            try:  # (with max_tokens 0 nothing else checks it)
+                self.router.check_prompt(p_ids)
+            except ValueError as e:
+                raise ApiError(400, str(e), param="prompt") from None
+            shown = prompt if isinstance(prompt, str) else (
+                self.router.tokenizer.decode(p_ids) if self.router.tokenizer is not None else "")
+            if k is None:
+                out.append((shown, None))
+                continue
+            try:
+                scored = await self.router.score(p_ids, top_logprobs=k, policy=kw.get("policy"))
+            except RouterUnavailable as e:
+                raise ApiError(503, str(e), "unavailable", headers={"Retry-After": "1"}) from None
+            except ValueError as e:
+                raise ApiError(400, f"echo: {e}", param="prompt") from None
+            except RouterError as e:
+                raise ApiError(500, str(e), "server_error") from None
+            logged, at = [], 0
+            for t, lp, m in zip(scored.token_ids, scored.logprobs, scored.models):
+                logged.append(LoggedToken(t, m, lp, at))
+                at += len(text(t))
+            out.append((shown, logged))
+        return out
+
+    async def _compile_structured(self, so: StructuredOutput | None) -> None:
+        """A request's grammar compiled off the event loop (cached per schema), so a bad schema is a
+        400 naming its field before anything is submitted and `submit` finds the grammar compiled."""
+        if so is None:
+            return
+        try:
+            await self.router.compile_structured(so)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=so.where.split(".")[0]) from None
+
+    def _submit(self, ids: list[int], kw: dict[str, Any]):
+        try:
+            return self.router.submit(ids, **kw)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        except RouterUnavailable as e:  # a model restarting after its subserver died: retry shortly
+            raise ApiError(503, str(e), "unavailable", headers={"Retry-After": "1"}) from None
+
+    async def _choice(self, req, first: asyncio.Event | None) -> AsyncIterator:
+        """One choice's events; `first` is set once it has one (or is over), for its prompt's other choices."""
+        # aclosing: a disconnect (the handler is cancelled) aborts the request at once
+        async with contextlib.aclosing(self.router.events(req)) as events:
+            try:
+                async for ev in events:
+                    if first is not None:
+                        first.set()
+                    yield ev
+            finally:
+                if first is not None:
+                    first.set()
+
+    async def _follower(self, ids: list[int], kw: dict[str, Any], first: asyncio.Event, submitted: list
+                        ) -> AsyncIterator:
+        """A prompt's next choice, submitted once its first choice has a token (or is over)."""
+        await first.wait()
+        try:
+            req = self.router.submit(ids, **kw)
+        except ValueError as e:  # its first choice took the same fields: not expected
+            raise RouterError(f"a further choice was refused: {e}") from None
+        submitted.append(req)
+        async for ev in self._choice(req, None):
+            yield ev
+
+    @staticmethod
+    def _logprobs(body, chat: bool) -> dict[str, Any]:
+        """The request's log-probability fields as Router.submit takes them: chat's two, or the
+        legacy completions' count (which asks for log probabilities whatever its value, 0 too)."""
+        if chat:
+            return {"logprobs": bool(body.logprobs), "top_logprobs": body.top_logprobs or 0}
+        return {"logprobs": body.logprobs is not None, "top_logprobs": body.logprobs or 0}
+
+    @staticmethod
+    def _logprobs_object(tokens: list[LoggedToken], chat: bool, text: TokenText) -> dict[str, Any]:
+        return chat_logprobs(tokens, text) if chat else completion_logprobs(tokens, text)
 
     @staticmethod
     def _id(body, chat: bool) -> str:
@@ -410,29 +538,59 @@ class Server:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
                 "per_model": {m: per_model.get(m, 0) for m in self.router.names}}
 
-    async def _whole(self, body, events: AsyncIterator, prompt_tokens: int, chat: bool) -> web.Response:
-        text, per_model, reason = [], {}, None
-        try:
+    async def _whole(self, body, choices: list[AsyncIterator], prompt_tokens: int, chat: bool, n: int = 1,
+                     best: int = 1, echoed: list[tuple[str, list[LoggedToken] | None]] | None = None
+                     ) -> web.Response:
+        """The answer at once: every choice read together; of each prompt's `best` choices, the `n`
+        with the highest cumulative log probability (all of them when best == n). `echoed`: per
+        prompt, its text and scored tokens, put before each of its choices' (`_echoed`)."""
+        asked = self._logprobs(body, chat)["logprobs"]
+        token_text = TokenText(self.router.tokenizer) if asked else None
+
+        async def collect(events: AsyncIterator) -> tuple[dict[str, Any], dict[str, int], float]:
+            text, per_model, reason, cumulative = [], {}, None, 0.0
+            logged: list[LoggedToken] | None = [] if asked else None
+            n_chars = 0  # the answer's text so far, where asked: each token's text_offset
             async for ev in events:
+                if logged is not None:
+                    if ev.token_id is not None:
+                        logged.append(LoggedToken(ev.token_id, ev.model, ev.logprob, n_chars))
+                    n_chars += len(ev.text)
+                if best > n and ev.logprob is not None:
+                    cumulative += ev.logprob.logprob
                 text.append(ev.text)
                 if ev.model:
                     per_model[ev.model] = per_model.get(ev.model, 0) + 1
                 reason = ev.finish_reason or reason
+            choice = {"index": 0, "finish_reason": reason, "logprobs": None if logged is None else
+                      self._logprobs_object(logged, chat, token_text)}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": "".join(text)}
+            else:
+                choice["text"] = "".join(text)
+            return choice, per_model, cumulative
+
+        try:
+            done = await _all([collect(c) for c in choices])
         except RouterUnavailable as e:  # failed with every request when a model's subserver died
             raise ApiError(503, str(e), "unavailable", headers={"Retry-After": "1"}) from None
         except RouterError as e:
             raise ApiError(500, str(e), "server_error") from None
+        if echoed is not None:
+            done = [(_with_echo(c, *echoed[i // best], token_text), used, cum) for i, (c, used, cum) in enumerate(done)]
+        out, per_model = [], {}
+        for at in range(0, len(done), best):  # one prompt's choices
+            kept = sorted(done[at:at + best], key=lambda c: -c[2])[:n] if best > n else done[at:at + best]
+            for choice, used, _ in kept:
+                out.append({**choice, "index": len(out)})
+                for m, k in used.items():
+                    per_model[m] = per_model.get(m, 0) + k
         rid, created = self._id(body, chat), int(time.time())
-        choice = {"index": 0, "finish_reason": reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
         return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                  "created": created, "model": self.cfg.served_model_name, "choices": [choice],
+                                  "created": created, "model": self.cfg.served_model_name, "choices": out,
                                   "usage": self._usage(prompt_tokens, per_model)})
 
-    async def _sse(self, request: web.Request, body, events: AsyncIterator, prompt_tokens: int, chat: bool):
+    async def _sse(self, request: web.Request, body, choices: list[AsyncIterator], prompt_tokens: int, chat: bool):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         rid, created = self._id(body, chat), int(time.time())
@@ -441,12 +599,16 @@ class Server:
         opts = body.stream_options
         continuous = opts is not None and opts.continuous_usage_stats
 
-        def chunk(text: str | None, reason: str | None, model: str | None, first: bool = False) -> bytes:
+        token_text = TokenText(self.router.tokenizer) if self._logprobs(body, chat)["logprobs"] else None
+        n_chars = [0] * len(choices)  # per choice the text streamed so far, where asked: each token's text_offset
+
+        def chunk(text: str | None, reason: str | None, model: str | None, first: bool = False,
+                  logprobs: dict | None = None, index: int = 0) -> bytes:
             if chat:
                 delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+                choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+                choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
             d = {"id": rid, "object": obj, "created": created, "model": self.cfg.served_model_name, "choices": [choice]}
             if model:
                 d["aiorouter"] = {"model": model}
@@ -456,12 +618,19 @@ class Server:
 
         try:
             if chat:
-                await resp.write(chunk("", None, None, first=True))
-            async for ev in events:
-                if ev.model:
-                    per_model[ev.model] = per_model.get(ev.model, 0) + 1
-                if ev.text or ev.finish_reason:
-                    await resp.write(chunk(ev.text, ev.finish_reason, ev.model))
+                for i in range(len(choices)):
+                    await resp.write(chunk("", None, None, first=True, index=i))
+            async with contextlib.aclosing(_merged(choices)) as merged:  # closed: no choice is read on
+                async for i, ev in merged:
+                    if ev.model:
+                        per_model[ev.model] = per_model.get(ev.model, 0) + 1
+                    if token_text is not None and ev.token_id is not None:  # asked: every token goes, empty too
+                        one = self._logprobs_object([LoggedToken(ev.token_id, ev.model, ev.logprob, n_chars[i])],
+                                                    chat, token_text)
+                        n_chars[i] += len(ev.text)
+                        await resp.write(chunk(ev.text, ev.finish_reason, ev.model, logprobs=one, index=i))
+                    elif ev.text or ev.finish_reason:
+                        await resp.write(chunk(ev.text, ev.finish_reason, ev.model, index=i))
         except RouterError as e:
             code = 503 if isinstance(e, RouterUnavailable) else 500
             err = {"error": {"message": str(e), "type": "unavailable" if code == 503 else "server_error",
@@ -474,3 +643,70 @@ class Server:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+async def _no_output() -> AsyncIterator[StreamEvent]:
+    """A choice that generates nothing (echo with max_tokens 0): its one closing event."""
+    yield StreamEvent(None, "", None, 0, "length")
+
+
+def _with_echo(choice: dict[str, Any], prompt: str, logged: list[LoggedToken] | None,
+               text: TokenText | None) -> dict[str, Any]:
+    """A completions choice with the prompt echoed before it: its text, and its log probabilities
+    (the prompt's tokens' first, the choice's text offsets moved past the prompt's text)."""
+    choice = {**choice, "text": prompt + choice["text"]}
+    if logged is not None and choice["logprobs"] is not None:
+        head, tail = completion_logprobs(logged, text), choice["logprobs"]
+        tail = {**tail, "text_offset": [len(prompt) + o for o in tail["text_offset"]]}
+        choice["logprobs"] = {key: head[key] + tail[key] for key in head}
+    return choice
+
+
+def nth_seed(seed: int | None, k: int) -> int | None:
+    """Choice k's seed: the request's plus k (vLLM's), wrapped into the signed 64-bit range."""
+    return None if seed is None else (seed + k - SEED_MIN) % 2**64 + SEED_MIN
+
+
+async def _all(coros: list) -> list:
+    """Run `coros` together -> their results; the first to fail cancels the others and is raised."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(c) for c in coros]
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
+async def _merged(choices: list[AsyncIterator]) -> AsyncIterator[tuple[Any, Any]]:
+    """(choice index, event) from every choice, as they come; one choice is read as it is (no task,
+    no queue: a plain request pays nothing for this). A choice that fails ends them all."""
+    if len(choices) == 1:
+        async for ev in choices[0]:
+            yield 0, ev
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, events: AsyncIterator) -> None:
+        try:
+            async for ev in events:
+                queue.put_nowait((i, ev))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        else:
+            queue.put_nowait((i, None))  # this choice is over
+
+    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
+    try:
+        left = len(tasks)
+        while left:
+            i, ev = await queue.get()
+            if ev is None:
+                left -= 1
+            elif isinstance(ev, Exception):
+                raise ev
+            else:
+                yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

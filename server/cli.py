@@ -178,7 +178,7 @@ def server_config(args):
     return ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key,
                         max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                         default_max_tokens=args.default_max_tokens, generation_config=args.generation_config,
-                        strict=args.strict)
+                        strict=args.strict, max_choices=args.max_choices)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -348,6 +348,9 @@ def parser() -> argparse.ArgumentParser:
                    help="refuse a request holding a field the server does not know, with a 400 naming it "
                         "(otherwise it is ignored, as vLLM does: a warning per field name in the log and the "
                         "X-Aiorouter-Ignored-Fields header on the answer)")
+    s.add_argument("--max-choices", type=int, default=128,
+                   help="the most choices one request may ask for (its prompts times n, or best_of; OpenAI's "
+                        "limit by default): each is a generation of its own")
     s.add_argument("--max-queue", type=int, default=64, help="requests queued beyond --max-concurrency before 429")
     s.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     s.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve (pip install 'aiorouter[ray]')")

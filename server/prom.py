@@ -38,6 +38,10 @@ class _RouterCollector:
                                    "no request holds them; POST /reset_prefix_cache frees those)", labels=["model"])
         preempt = CounterMetricFamily("aiorouter_kv_preemptions", "Sequences whose KV was dropped for lack of pages "
                                       "(recomputed later)", labels=["model"])
+        hits = CounterMetricFamily("aiorouter_prefix_cache_hit_tokens", "Prompt tokens admissions found in the "
+                                   "prefix cache (not computed)", labels=["model"])
+        prefill = CounterMetricFamily("aiorouter_prefill_tokens", "Tokens computed as part of a prefill (a prompt, "
+                                      "a chunk of one, or the extend of a request handed back)", labels=["model"])
         queue = GaugeMetricFamily("aiorouter_queue_length", "Requests ready to compute", labels=["model"])
         pend = GaugeMetricFamily("aiorouter_pending", "Requests parked while a peer serves them", labels=["model"])
         delay = SummaryMetricFamily("aiorouter_admission_delay_seconds", "Ready-to-launch delay", labels=["model"])
@@ -50,6 +54,8 @@ class _RouterCollector:
                 used.add_metric([name], kv[name].pages_used)
                 cached.add_metric([name], kv[name].pages_cached)
                 preempt.add_metric([name], kv[name].preemptions)
+                hits.add_metric([name], kv[name].prefix_hit_tokens)
+                prefill.add_metric([name], kv[name].prefill_tokens)
                 queue.add_metric([name], kv[name].ready)
                 pend.add_metric([name], kv[name].parked)
             delay.add_metric([name], mm.admission_delay_count, mm.admission_delay_sum)
@@ -58,7 +64,7 @@ class _RouterCollector:
             n = sum(mm.batch_sizes.values())
             buckets = [(str(e), c) for e, c in zip(edges, cum)] + [("+Inf", n)]
             batch.add_metric([name], buckets, sum_value=sum(b * c for b, c in mm.batch_sizes.items()))
-        yield from (tok, ho, used, total, cached, preempt, queue, pend, delay, batch)
+        yield from (tok, ho, used, total, cached, preempt, hits, prefill, queue, pend, delay, batch)
         # a leak of tasks or a dead subserver shows here before anywhere else
         tasks = GaugeMetricFamily("aiorouter_subserver_tasks", "Subserver tasks, by state", labels=["state"])
         tasks.add_metric(["running"], self.router.num_tasks)

@@ -6,19 +6,14 @@ top_p 0.95); a server that ignores it samples at temperature 1.0 and answers wor
 from __future__ import annotations
 
 import json
-import logging
 import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-log = logging.getLogger("aiorouter.server")
-
 GENERATION_CONFIG = "generation_config.json"
-# generation_config.json key -> request field. vLLM reads these same keys (and repetition_penalty).
+# generation_config.json key -> request field: the keys vLLM reads
 KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-        "max_new_tokens": "max_tokens"}
-# Keys that change what vLLM samples but that aiorouter does not implement: said at start-up.
-NOT_APPLIED = {"repetition_penalty": 1.0}
+        "max_new_tokens": "max_tokens", "repetition_penalty": "repetition_penalty"}
 INT_FIELDS = ("top_k", "max_tokens")
 
 
@@ -31,12 +26,14 @@ class SamplingDefaults:
     top_k: int = 0
     min_p: float = 0.0
     max_tokens: int | None = None  # None: the server's own default (ServerConfig.default_max_tokens)
+    repetition_penalty: float = 1.0
     source: str = "neutral"
 
     def __post_init__(self) -> None:
         checks = {"temperature": math.isfinite(self.temperature) and self.temperature >= 0,
                   "top_p": 0 < self.top_p <= 1, "top_k": self.top_k >= -1, "min_p": 0 <= self.min_p <= 1,
-                  "max_tokens": self.max_tokens is None or self.max_tokens >= 1}
+                  "max_tokens": self.max_tokens is None or self.max_tokens >= 1,
+                  "repetition_penalty": math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0}
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"{self.source}: out-of-range sampling default(s): "
@@ -74,10 +71,6 @@ class SamplingDefaults:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (want is int and value != int(value)):
                 raise ValueError(f"{source}: {key} must be a{'n integer' if want is int else ' number'}, got {value!r}")
             found[name] = want(value)
-        for key, neutral in NOT_APPLIED.items():
-            if raw.get(key) not in (None, neutral):
-                log.warning("%s sets %s=%r, which aiorouter does not implement: requests sample without it",
-                            source, key, raw[key])
         return replace(SamplingDefaults(source=source), **found)
 
     def describe(self) -> str:

@@ -3,7 +3,7 @@ says: `"temperature": true` or `"max_tokens": "10"` is a 400, not a number pydan
 
 Three kinds of field:
 - implemented ones, honoured;
-- OpenAI and vLLM fields this server cannot honour (tools, guided decoding, beam search, ...):
+- OpenAI and vLLM fields this server cannot honour (tools, structural tags, beam search, ...):
   accepted only at their neutral value, so nothing the client asked for is silently dropped;
 - fields nobody here knows: kept in `model_extra`, and the server ignores them with a warning
   and a response header, as vLLM does, or refuses them when started with --strict
@@ -15,8 +15,11 @@ from typing import Annotated, Any, Iterator, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from engines.logprobs import MAX_LOGPROBS
 from engines.sampling import SEED_MAX, SEED_MIN
 
+# the most choices one request asks for (its prompts times n, or best_of): each is a request of its own
+MAX_CHOICES = 128
 # the header on the answer to a request whose unknown fields the server ignored, naming them
 IGNORED_HEADER = "X-Aiorouter-Ignored-Fields"
 # Unknown fields are kept, not refused: whether they are ignored or refused is the server's
@@ -60,27 +63,16 @@ _OBJ = dict[str, Any] | None
 
 # vLLM's sampling and output extensions, and its structured-output fields, on both endpoints
 COMMON_UNSUPPORTED: dict[str, tuple[Any, tuple]] = {
-    "repetition_penalty": (float | None, (None, 1.0)),  # vLLM's `bench serve` sends 1.0
     "length_penalty": (float | None, (None, 1.0)),
     "use_beam_search": (bool | None, (None, False)),
-    "min_tokens": (int | None, (None, 0)),
-    "stop_token_ids": (list[int] | None, (None, [])),
     "bad_words": (list[str] | None, (None, [])),
     "allowed_token_ids": (list[int] | None, (None,)),
-    "skip_special_tokens": (bool | None, (None, True)),
     "spaces_between_special_tokens": (bool | None, (None, True)),
-    "include_stop_str_in_output": (bool | None, (None, False)),
     "truncate_prompt_tokens": (int | None, (None,)),
     "prompt_logprobs": (int | None, (None,)),  # vLLM answers prompt log-probabilities even for 0
     "return_tokens_as_token_ids": (bool | None, (None, False)),
     "logits_processors": (list[Any] | None, (None, [])),
-    "response_format": (_OBJ, (None, {"type": "text"})),
-    "guided_json": (Any, (None,)),
-    "guided_regex": (str | None, (None,)),
-    "guided_choice": (list[str] | None, (None,)),
-    "guided_grammar": (str | None, (None,)),
     "structural_tag": (str | None, (None,)),
-    "structured_outputs": (_OBJ, (None,)),
     "priority": (int | None, (None, 0)),  # requests are served first come, first served
     "cache_salt": (str | None, (None,)),  # the prefix cache is shared by every request
 }
@@ -104,7 +96,6 @@ CHAT_UNSUPPORTED: dict[str, tuple[Any, tuple]] = {
     "mm_processor_kwargs": (_OBJ, (None, {})),
     "documents": (list[Any] | None, (None, [])),
     "echo": (bool | None, (None, False)),
-    "top_logprobs": (int | None, (None, 0)),
     "reasoning_effort": (str | None, (None,)),
     "modalities": (list[str] | None, (None, ["text"])),
     "audio": (_OBJ, (None,)),
@@ -140,29 +131,38 @@ class _CommonFields(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     # vLLM's range, a signed 64-bit integer; checked below so the error names both ends of the range
     seed: int | None = Field(default=None, json_schema_extra={"minimum": SEED_MIN, "maximum": SEED_MAX})
+    # any number of stop strings, as vLLM takes them (OpenAI's limit of 4 is not a vLLM one)
     stop: str | list[str] | None = Field(default=None, json_schema_extra={
-        "anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "maxItems": 4,
-                                                       "items": {"type": "string", "minLength": 1}}, {"type": "null"}]})
-    n: int = Field(default=1, json_schema_extra={"minimum": 1, "maximum": 1})
+        "anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1}},
+                  {"type": "null"}]})
+    # choices per prompt, each sampled on its own (its seed, when set, is seed + its index, as vLLM's)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
     request_id: str | None = None  # vLLM's: the answer's id is cmpl-/chatcmpl-<request_id>
     routing: dict[str, Any] | None = None  # extension: {"policy": "rstitch", "tau": 0.05}
-    # OpenAI fields without an implementation here: only their neutral values pass (the published
-    # schema says so, and the validators below name the field to a client that sends another).
-    presence_penalty: float = Field(default=0.0, json_schema_extra={"enum": [0]})
-    frequency_penalty: float = Field(default=0.0, json_schema_extra={"enum": [0]})
-    logit_bias: dict[str, float] | None = Field(default=None, json_schema_extra={"maxProperties": 0})
-    logprobs: Any = Field(default=None, json_schema_extra={"enum": [None, False, 0]})
-
-    @field_validator("n")
-    @classmethod
-    def _only_one(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n = 1 is supported")
-        return v
+    # sampling controls (engines.sampling.SamplingParams), with OpenAI's and vLLM's ranges
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    # None: the server's default (the generation config's, as vLLM reads it; else 1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    # token id (a string, as JSON keys are) -> a bias in [-100, 100] added to its logit
+    logit_bias: dict[str, float] | None = Field(default=None, json_schema_extra={
+        "propertyNames": {"pattern": "^[0-9]+$"}, "additionalProperties": {"minimum": -100, "maximum": 100}})
+    stop_token_ids: list[int] | None = Field(default=None, json_schema_extra={"items": {"minimum": 0}})
+    min_tokens: int = Field(default=0, ge=0)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # structured output (server/structured.py reads them, engines/grammar.py applies them): OpenAI's
+    # response_format, vLLM's structured_outputs and its older guided_* fields; at most one of them
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("seed")
     @classmethod
@@ -174,56 +174,89 @@ class _CommonFields(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
-        if isinstance(v, list) and (len(v) > 4 or any(not s for s in v)):
-            raise ValueError("stop takes at most 4 non-empty strings")
+        if isinstance(v, list) and any(not s for s in v):
+            raise ValueError("stop takes non-empty strings")
         if v == "":
             raise ValueError("stop must not be empty")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"key {key!r} is not a token id (a non-negative integer, as a string)")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"the bias of token {key} is {bias}; biases are in [-100, 100]")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids are non-negative integers")
+        return v
+
     @model_validator(mode="after")
     def _unsupported(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported by this server")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs are not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
 
 class _CompletionFields(_CommonFields):
-    # text, token ids, or a batch of one of either (OpenAI's forms; a batch of more is refused)
+    # text, token ids, or a batch of either (OpenAI's forms): a batch's choices are numbered prompt
+    # by prompt (prompt i's j-th choice is choice i * n + j, as vLLM's)
     prompt: str | list[int] | list[str] | list[list[int]] = Field(json_schema_extra={"anyOf": [
         {"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {"type": "integer"}},
-        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
-        {"type": "array", "minItems": 1, "maxItems": 1,
+        {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES,
          "items": {"type": "array", "minItems": 1, "items": {"type": "integer"}}}]})
-    echo: bool = Field(default=False, json_schema_extra={"enum": [False]})
+    # 0 only with echo: the prompt echoed (and scored, with logprobs) and nothing generated, as vLLM's
+    max_tokens: int | None = Field(default=None, ge=0)
+    # the answer's text starts with the prompt's; with logprobs, the prompt's tokens are scored too
+    # (Router.score: teacher-forced, each position by the model the policy routes it to)
+    echo: bool = False
+    # the legacy form: per token its log probability and the `logprobs` most probable tokens
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = Field(default=None, json_schema_extra={"enum": [None, ""]})
-    best_of: int | None = Field(default=None, json_schema_extra={"enum": [None, 1]})
+    # sampled per prompt, of which the n with the highest cumulative log probability are returned
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v):
         if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-            v = v[0]
+            if len(v) > MAX_CHOICES:
+                raise ValueError(f"a batch holds at most {MAX_CHOICES} prompts")
+            if any(not p for p in v):
+                raise ValueError("a prompt of the batch is empty")
+            if len(v) == 1:  # a batch of one is that prompt
+                v = v[0]
         if not v:
             raise ValueError("prompt is empty")
         return v
 
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch's."""
+        p = self.prompt
+        return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+
     @model_validator(mode="after")
     def _unsupported_completion(self):
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
+        if self.echo and self.stream:
+            raise ValueError("echo cannot stream on this server: ask for it without stream")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 is allowed only with echo (the prompt echoed and scored, "
+                             "nothing generated), as vLLM's")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of is not supported by this server")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be at least n ({self.n}), got {self.best_of}")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of larger than n cannot stream (the best choices are known at the end)")
+        if len(self.prompts()) * (self.best_of or self.n) > MAX_CHOICES:
+            raise ValueError(f"the batch's prompts times best_of (or n) is more than {MAX_CHOICES} choices")
         return self
 
 
@@ -264,9 +297,17 @@ ChatMessage = create_model("ChatMessage", __base__=_ChatMessageFields, __module_
 class _ChatFields(_CommonFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None  # per token its log probability, and `top_logprobs` alternatives
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
 
 
 ChatCompletionRequest = create_model("ChatCompletionRequest", __base__=_ChatFields, __module__=__name__,
@@ -346,10 +387,21 @@ class Usage(_Open):
     per_model: dict[str, int]  # extension: the tokens each model of the router wrote
 
 
+class CompletionLogprobs(_Open):
+    """The legacy format (server/logprobs.py): parallel lists, one entry per token."""
+    tokens: list[str]
+    # None for an echoed prompt's first token, which no model predicts (OpenAI's, vLLM's)
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]  # the `logprobs` most probable tokens and the sampled one
+    text_offset: list[int]
+    aiorouter_models: list[str | None]  # extension: the model that wrote (or scored) each token
+
+
 class CompletionChoice(_Open):
     index: int
     text: str
     finish_reason: Literal["stop", "length"] | None
+    logprobs: CompletionLogprobs | None = None  # with "logprobs": k
 
 
 class Completion(_Open):
@@ -366,10 +418,27 @@ class AssistantMessage(_Open):
     content: str
 
 
+class TopLogprob(_Open):
+    token: str
+    logprob: float
+    bytes: list[int]  # the token's text in UTF-8
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]  # `top_logprobs` of them, most probable first
+    aiorouter_model: str  # extension: the model that wrote the token
+
+
+class ChatLogprobs(_Open):
+    content: list[TokenLogprobEntry]
+    refusal: None
+
+
 class ChatChoice(_Open):
     index: int
     message: AssistantMessage
     finish_reason: Literal["stop", "length"] | None
+    logprobs: ChatLogprobs | None = None  # with "logprobs": true
 
 
 class ChatCompletion(_Open):
@@ -423,6 +492,7 @@ class CompletionChunkChoice(_Open):
     index: int
     text: str
     finish_reason: Literal["stop", "length"] | None
+    logprobs: CompletionLogprobs | None = None  # the chunk's token's, when asked
 
 
 class CompletionChunk(_Open):
@@ -445,6 +515,7 @@ class ChatChunkChoice(_Open):
     index: int
     delta: Delta
     finish_reason: Literal["stop", "length"] | None
+    logprobs: ChatLogprobs | None = None  # the chunk's token's, when asked
 
 
 class ChatCompletionChunk(_Open):

@@ -34,13 +34,14 @@ CASE_TIMEOUT_S = 20.0  # a hang: no answer this long (the longest valid request 
 def served(tmp_path_factory, smollm2):
     """`aiorouter serve` on a pair of tiny chat models with a 64-token context (so a valid request
     asking for every token still ends within a second: the fuzzer looks for failures, and a long
-    answer finds no more of them than a short one) and an API key (so auth is fuzzed too)."""
+    answer finds no more of them than a short one), at most 4 choices a request (n, best_of, a
+    batch of prompts: each choice is such an answer) and an API key (so auth is fuzzed too)."""
     model = make_tiny_chat_model(tmp_path_factory.mktemp("fuzz_model"), smollm2, max_positions=64)
     port = free_port()
     log = open(tmp_path_factory.mktemp("fuzz_log") / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", f"small={model}", "--model",
                              f"large={model}", "--policy", "random", "--kv-memory-gb", "0.05", "--port", str(port),
-                             "--api-key", KEY], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+                             "--api-key", KEY, "--max-choices", "4"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
         asyncio.run(wait_healthy(url, timeout=120, interval=0.1))

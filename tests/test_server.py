@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import json
-import logging
 import shutil
 
 import aiohttp
@@ -123,9 +122,16 @@ BAD = [
     ("negative max_tokens", {"json": {"prompt": "hi", "max_tokens": -5}}, 400),
     ("huge max_tokens", {"json": {"prompt": "hi", "max_tokens": 10**9}}, 400),
     ("prompt too long", {"json": {"prompt": "hello " * 3000}}, 400),
-    ("unsupported repetition_penalty", {"json": {"prompt": "hi", "repetition_penalty": 1.2}}, 400),
-    ("n > 1", {"json": {"prompt": "hi", "n": 2}}, 400),
-    ("unsupported penalty", {"json": {"prompt": "hi", "presence_penalty": 0.5}}, 400),
+    ("repetition_penalty out of range", {"json": {"prompt": "hi", "repetition_penalty": 0}}, 400),
+    ("n past the bound", {"json": {"prompt": "hi", "n": 129}}, 400),
+    ("best_of below n", {"json": {"prompt": "hi", "n": 3, "best_of": 2}}, 400),
+    ("best_of streamed", {"json": {"prompt": "hi", "n": 1, "best_of": 2, "stream": True}}, 400),
+    ("an empty prompt in a batch", {"json": {"prompt": ["hi", ""]}}, 400),
+    ("penalty out of range", {"json": {"prompt": "hi", "presence_penalty": 2.5}}, 400),
+    ("logit_bias out of range", {"json": {"prompt": "hi", "logit_bias": {"5": 101}}}, 400),
+    ("logit_bias past the vocabulary", {"json": {"prompt": "hi", "logit_bias": {"99999999": 1}}}, 400),
+    ("stop_token_ids past the vocabulary", {"json": {"prompt": "hi", "stop_token_ids": [99999999]}}, 400),
+    ("min_tokens past max_tokens", {"json": {"prompt": "hi", "max_tokens": 3, "min_tokens": 4}}, 400),
     ("body too large", {"data": b'{"prompt": "' + b"a" * (5 * 2**20) + b'"}',
                         "headers": {"Content-Type": "application/json"}}, 413),
     ("non utf-8", {"data": b'{"prompt": "\xff\xfe"}', "headers": {"Content-Type": "application/json"}}, 400),
@@ -157,7 +163,15 @@ BAD_SAYS = {
     "100,000 nested arrays": "request body nests too deeply to parse",
     "an integer of 5,000 digits": "request body holds a number too large to read",
     "per-request trained router": "routing: policy 'r2r' cannot be chosen per request",
-    "unsupported repetition_penalty": "repetition_penalty is not supported by this server",
+    "repetition_penalty out of range": "repetition_penalty: Input should be greater than 0",
+    "penalty out of range": "presence_penalty: Input should be less than or equal to 2",
+    "logit_bias out of range": "logit_bias: the bias of token 5 is 101.0; biases are in [-100, 100]",
+    "logit_bias past the vocabulary": "logit_bias: token id 99999999 is outside the vocabulary [0, 49152)",
+    "stop_token_ids past the vocabulary": "stop_token_ids: token id 99999999 is outside the vocabulary [0, 49152)",
+    "min_tokens past max_tokens": "min_tokens=4 exceeds max_tokens=3",
+    "best_of below n": "best_of must be at least n (3), got 2",
+    "best_of streamed": "best_of larger than n cannot stream",
+    "an empty prompt in a batch": "prompt: a prompt of the batch is empty",
 }
 
 
@@ -172,8 +186,8 @@ async def test_bad_inputs_get_4xx_and_server_keeps_serving(tiny_chat_model):
                     assert "Value error" not in body["error"]["message"], body  # our words, not pydantic's
                     assert BAD_SAYS.get(name, "") in body["error"]["message"], (name, body)
                     assert "not supported between" not in body["error"]["message"], body  # not a Python error
-            async with s.post(url + "/v1/completions", json={"prompt": "hi", "n": 2}) as r:
-                assert (await r.json())["error"]["message"] == "n: only n = 1 is supported"
+            async with s.post(url + "/v1/completions", json={"prompt": "hi", "n": 129}) as r:
+                assert (await r.json())["error"]["message"] == "n: Input should be less than or equal to 128"
             async with s.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                                   "tools": [{}]}) as r:
                 assert r.status == 400 and (await r.json())["error"]["param"] == "tools"
@@ -297,22 +311,23 @@ def with_generation_config(src, dst, **fields):
     return dst
 
 
-def test_sampling_defaults_load(tmp_path, caplog):
+def test_sampling_defaults_load(tmp_path):
     assert SamplingDefaults.load("neutral", tmp_path) == SamplingDefaults()
     assert SamplingDefaults.load("auto", tmp_path) == SamplingDefaults()  # no file: neutral
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 64,
          "eos_token_id": 2, "repetition_penalty": 1.1}))
-    with caplog.at_level(logging.WARNING):
-        d = SamplingDefaults.load("auto", tmp_path)
-    assert (d.temperature, d.top_p, d.top_k, d.min_p, d.max_tokens) == (0.6, 0.95, 20, 0.0, 64)
-    assert "repetition_penalty=1.1" in caplog.text and "not implement" in caplog.text
+    d = SamplingDefaults.load("auto", tmp_path)
+    # repetition_penalty too, as vLLM reads it (a request's own value wins: test_sampling_controls.py)
+    assert (d.temperature, d.top_p, d.top_k, d.min_p, d.max_tokens, d.repetition_penalty) == (0.6, 0.95, 20, 0.0, 64,
+                                                                                              1.1)
     assert SamplingDefaults.load(str(tmp_path), None) == d  # a directory of its own
     assert SamplingDefaults.load("neutral", tmp_path) == SamplingDefaults()
     with pytest.raises(ValueError, match="no generation_config.json there"):
         SamplingDefaults.load(str(tmp_path / "nowhere"), None)
     for bad, words in (({"temperature": -1}, "temperature=-1.0"), ({"top_k": 1.5}, "top_k must be an integer"),
-                       ({"top_p": "high"}, "top_p must be a number"), ({"max_new_tokens": 0}, "max_tokens=0")):
+                       ({"top_p": "high"}, "top_p must be a number"), ({"max_new_tokens": 0}, "max_tokens=0"),
+                       ({"repetition_penalty": 0}, "repetition_penalty=0.0")):
         (tmp_path / "generation_config.json").write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=words):
             SamplingDefaults.load("auto", tmp_path)
