@@ -416,10 +416,7 @@ class Router:
         a token a policy's send commits that the grammar refuses fails the request. A grammar is
         compiled once per distinct schema (cached); `await compile_structured(...)` first compiles
         it off the event loop (the server does)."""
-        if not self._tasks:
-            raise RuntimeError("router is not started: use `async with Router(...)` or `await router.start()`")
-        if self._down:
-            raise RouterUnavailable(self.dead or "; ".join(self._down.values()))
+        self._require_serving()
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 min_p=min_p, seed=seed, stop=tuple([stop] if isinstance(stop, str) else (stop or ())),
                                 ignore_eos=ignore_eos, logprobs=requested(logprobs, top_logprobs),
@@ -437,6 +434,13 @@ class Router:
         req = self._requests.new(ids, params, pol, self.tokenizer, self._eos_ids, self.max_model_len, grammar)
         self._launch.post(self._admit(pol, req, prompt, ids), NewRequest(req))
         return req
+
+    def _require_serving(self) -> None:
+        """RuntimeError before `start`; RouterUnavailable while a model is down (retry shortly)."""
+        if not self._tasks:
+            raise RuntimeError("router is not started: use `async with Router(...)` or `await router.start()`")
+        if self._down:
+            raise RouterUnavailable(self.dead or "; ".join(self._down.values()))
 
     def check_prompt(self, ids: list[int]) -> None:
         """ValueError unless every model can take prompt `ids`: token ids of the vocabulary, and
@@ -562,10 +566,7 @@ class Router:
         it takes are back in the pool when this returns. The first token has no value (None).
         Bad input is a ValueError; a policy that cannot be replayed so (or raises) a RouterError
         naming it; a model whose KV pool has too few free pages now, RouterUnavailable (retry)."""
-        if not self._tasks:
-            raise RuntimeError("router is not started: use `async with Router(...)` or `await router.start()`")
-        if self._down:
-            raise RouterUnavailable(self.dead or "; ".join(self._down.values()))
+        self._require_serving()
         k = requested(True, top_logprobs)
         ids = self.prompt_ids(prompt)
         self.check_prompt(ids)

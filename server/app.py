@@ -462,7 +462,7 @@ class Server:
             try:
                 scored = await self.router.score(p_ids, top_logprobs=k, policy=kw.get("policy"))
             except RouterUnavailable as e:
-                raise ApiError(503, str(e), "unavailable", headers={"Retry-After": "1"}) from None
+                raise _unavailable(e) from None
             except ValueError as e:
                 raise ApiError(400, f"echo: {e}", param="prompt") from None
             except RouterError as e:
@@ -490,7 +490,7 @@ class Server:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         except RouterUnavailable as e:  # a model restarting after its subserver died: retry shortly
-            raise ApiError(503, str(e), "unavailable", headers={"Retry-After": "1"}) from None
+            raise _unavailable(e) from None
 
     async def _choice(self, req, first: asyncio.Event | None) -> AsyncIterator:
         """One choice's events; `first` is set once it has one (or is over), for its prompt's other choices."""
@@ -573,7 +573,7 @@ class Server:
         try:
             done = await _all([collect(c) for c in choices])
         except RouterUnavailable as e:  # failed with every request when a model's subserver died
-            raise ApiError(503, str(e), "unavailable", headers={"Retry-After": "1"}) from None
+            raise _unavailable(e) from None
         except RouterError as e:
             raise ApiError(500, str(e), "server_error") from None
         if echoed is not None:
@@ -643,6 +643,11 @@ class Server:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def _unavailable(e: RouterUnavailable) -> ApiError:
+    """A model is down for now (its subserver restarting after it died): 503, retry shortly."""
+    return ApiError(503, str(e), "unavailable", headers={"Retry-After": "1"})
 
 
 async def _no_output() -> AsyncIterator[StreamEvent]:
