@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from aiorouter.defaults import DEFAULT_POLICY, DEFAULT_POLICY_ARGS, default_models, default_router
-    from aiorouter.request import GenerateResult, RouterError, RouterUnavailable, StreamEvent
+    from aiorouter.request import GenerateResult, RouterError, RouterRequestError, RouterUnavailable, StreamEvent
     from aiorouter.config import RouterConfig
     from aiorouter.router import Prompt, Router
     from aiorouter.scoring import ScoreResult
@@ -22,12 +22,12 @@ _EXPORTS = {
     "DEFAULT_POLICY": "aiorouter.defaults", "DEFAULT_POLICY_ARGS": "aiorouter.defaults",
     "default_models": "aiorouter.defaults", "default_router": "aiorouter.defaults",
     "GenerateResult": "aiorouter.request", "RouterError": "aiorouter.request",
-    "RouterUnavailable": "aiorouter.request", "StreamEvent": "aiorouter.request",
+    "RouterRequestError": "aiorouter.request", "RouterUnavailable": "aiorouter.request", "StreamEvent": "aiorouter.request",
     "Prompt": "aiorouter.router", "Router": "aiorouter.router", "RouterConfig": "aiorouter.config",
     "ModelSpec": "aiorouter.spec", "ScoreResult": "aiorouter.scoring",
 }
 __all__ = ["Router", "RouterConfig", "ModelSpec", "Prompt", "StreamEvent", "GenerateResult", "RouterError",
-           "RouterUnavailable", "ScoreResult", "run",
+           "RouterRequestError", "RouterUnavailable", "ScoreResult", "run",
            "default_models", "default_router", "DEFAULT_POLICY", "DEFAULT_POLICY_ARGS"]
 
 

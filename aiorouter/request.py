@@ -73,6 +73,12 @@ class RouterError(RuntimeError):
     """A request failed inside the router (a model's step raised, a policy misbehaved)."""
 
 
+class RouterRequestError(RouterError):
+    """A request failed through what it asked for, not through the router: its structured output
+    allows no token of the vocabulary partway through (it cannot be completed). The server answers
+    400, as for a request refused on arrival."""
+
+
 class RouterUnavailable(RouterError):
     """The router takes no request now: a model's subserver died and is restarting (retry shortly),
     or it died more often than the router restarts it (`Router.dead`: a new router is needed)."""

@@ -10,9 +10,9 @@ import uuid
 
 from aiorouter.launch import LaunchControl
 from aiorouter.metrics import RouterMetrics
-from aiorouter.request import Release, RouterError, RouterRequest, StreamEvent
+from aiorouter.request import Release, RouterError, RouterRequest, RouterRequestError, StreamEvent
 from engines import SamplingParams
-from engines.grammar import GrammarState
+from engines.grammar import GrammarDeadEnd, GrammarState
 from engines.logprobs import TokenLogprob
 from engines.output import Commit, OutputStream
 from policies.base import Policy
@@ -67,7 +67,11 @@ class RequestTable:
             self._end(req)
 
     def failed_commit(self, req: RouterRequest, token: int, model: int, err: Exception) -> None:
-        """Detokenizing or a stop check raised on `token`: this request fails, not its model."""
+        """Detokenizing or a stop check raised on `token`: this request fails, not its model (as the
+        client's fault when its own constraint allows no token here)."""
+        if isinstance(err, GrammarDeadEnd):
+            self.fail(req, RouterRequestError(f"after {req.num_output_tokens} output tokens, {err}"))
+            return
         self.fail(req, RouterError(f"committing output token {req.num_output_tokens} (id {token}) from model "
                                    f"{self.names[model]!r} failed: {err!r}"))
 

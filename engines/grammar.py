@@ -149,6 +149,12 @@ class Grammars:
         return GrammarState(self, so, self.compile(so))
 
 
+class GrammarDeadEnd(ValueError):
+    """The request's constraint allows no token of the vocabulary where it stands (a regex asking
+    for characters no token writes, such as lone surrogates): it cannot be completed. The request
+    asked for what cannot be done, so it fails as the client's fault (the server's 400)."""
+
+
 class GrammarState:
     """One request's place in its grammar. `accept` runs where tokens commit (the event loop);
     `apply_grammar` reads it in a model's step. A request is computed by one model at a time (the
@@ -167,16 +173,24 @@ class GrammarState:
         A token the grammar refuses raises ValueError (its request fails)."""
         m = self.matcher
         if not m.accept_token(token):
+            if not self._allowed().any():
+                raise GrammarDeadEnd(f"the request's structured output ({self.spec.where}, {self.spec.kind}) "
+                                     "allows no token of the vocabulary here: it cannot be completed")
             raise ValueError(f"token {token} does not follow the request's structured output "
                              f"({self.spec.where}, {self.spec.kind}): a model or a policy's send "
                              "committed a token the grammar does not allow here")
         return m.is_terminated() or (m.is_completed() and self._only_stops())
 
-    def _only_stops(self) -> bool:
+    def _allowed(self) -> np.ndarray:
+        """The tokens the grammar allows next, as bits [ceil(V/32)] uint32 (unsigned: bit 31 is a
+        token like any other)."""
         import xgrammar as xgr
         mask = xgr.allocate_token_bitmask(1, self.vocab_size)
         self.matcher.fill_next_token_bitmask(mask)
-        bits = mask[0].numpy().view(np.uint32).copy()  # unsigned: bit 31 is a token like any other
+        return mask[0].numpy().view(np.uint32).copy()
+
+    def _only_stops(self) -> bool:
+        bits = self._allowed()
         for t in self.grammars.eos_ids:  # clear the stop tokens' bits: anything left is another token
             if t < self.vocab_size:
                 bits[t // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (t % 32)))

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 from pydantic import ValidationError
 
-from aiorouter import Router, RouterError, RouterUnavailable, StreamEvent
+from aiorouter import Router, RouterError, RouterRequestError, RouterUnavailable, StreamEvent
 from engines.grammar import StructuredOutput
 from engines.sampling import SEED_MIN
 from policies import BUILTIN, PolicyArgumentError, make_policy
@@ -574,6 +574,8 @@ class Server:
             done = await _all([collect(c) for c in choices])
         except RouterUnavailable as e:  # failed with every request when a model's subserver died
             raise _unavailable(e) from None
+        except RouterRequestError as e:  # what it asked for cannot be done (a constraint at a dead end)
+            raise ApiError(400, str(e)) from None
         except RouterError as e:
             raise ApiError(500, str(e), "server_error") from None
         if echoed is not None:
@@ -632,9 +634,9 @@ class Server:
                     elif ev.text or ev.finish_reason:
                         await resp.write(chunk(ev.text, ev.finish_reason, ev.model, index=i))
         except RouterError as e:
-            code = 503 if isinstance(e, RouterUnavailable) else 500
-            err = {"error": {"message": str(e), "type": "unavailable" if code == 503 else "server_error",
-                             "param": None, "code": code}}
+            code, kind = (503, "unavailable") if isinstance(e, RouterUnavailable) else \
+                (400, "invalid_request_error") if isinstance(e, RouterRequestError) else (500, "server_error")
+            err = {"error": {"message": str(e), "type": kind, "param": None, "code": code}}
             await resp.write(f"data: {json.dumps(err)}\n\n".encode())
         if opts is not None and opts.include_usage:
             u = {"id": rid, "object": obj, "created": created, "model": self.cfg.served_model_name, "choices": [],

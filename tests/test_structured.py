@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from aiorouter import Router, RouterConfig, RouterError
+from aiorouter import Router, RouterConfig, RouterError, RouterRequestError
 from conftest import make_tiny_qwen3
 from engines import Engine
 from engines.grammar import Grammars, StructuredOutput, apply_grammar
@@ -262,3 +262,28 @@ async def test_default_pair_json_schema_outputs_validate_on_20_prompts():
         committed = {n: m.tokens_committed for n, m in router.metrics.models.items()}
         assert all(v > 0 for v in committed.values()), committed
         print("default pair, json_schema:", [t for t, _ in texts[:3]], committed)
+
+
+async def test_a_constraint_no_token_can_continue_fails_as_the_clients_error(tiny_chat_model):
+    """A regex that can start but never end (an empty class after "ab") comes to a dead end: the
+    grammar allows no token (so does xgrammar 0.2.9's for characters from U+40000 up, the fuzzer's
+    find). The request asked for what cannot be done: a 400 (an error event, streamed), not a server
+    error, and the server goes on."""
+    from test_server import pair
+    dead_end = r"ab[^\s\S]"  # "ab" is writable, then nothing is
+    async with running_server(pair(tiny_chat_model)) as (url, _, router):
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.completions.create(model="aiorouter", prompt="Go:", max_tokens=20, extra_body={"guided_regex": dead_end})
+        assert e.value.body["type"] == "invalid_request_error", e.value.body
+        assert "allows no token of the vocabulary here" in e.value.body["message"], e.value.body
+        stream = await c.completions.create(model="aiorouter", prompt="Go:", max_tokens=20, stream=True,
+                                            extra_body={"guided_regex": dead_end})
+        with pytest.raises(openai.APIError, match="allows no token of the vocabulary here") as e:
+            async for _ in stream:
+                pass
+        assert e.value.body["code"] == 400, e.value.body
+        r = await c.completions.create(model="aiorouter", prompt="Still serving?", max_tokens=5, temperature=0)
+        assert r.choices[0].finish_reason == "length" and router.num_active == 0
+        with pytest.raises(RouterRequestError, match=r"after [12] output tokens, the request's structured output"):
+            await router.generate("Go:", max_tokens=20, structured={"regex": dead_end})
