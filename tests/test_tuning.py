@@ -524,7 +524,8 @@ def test_nearly_decomposable_chain_is_solved_by_the_tight_retry(monkeypatch: pyt
     pi, _, _ = solver.stationary_batch(cb, d_units, tol=DEFAULT_TOL, P=spec.p_array())
     assert first == [False, True]  # the first GMRES answer is refused; the retry's is taken
     # Reference: the chain censored to its feedback states F, built column by column and solved densely.
-    order, nY = solver_order(cb, d_units)
+    order, nY, levels = solver_order(cb, d_units)
+    assert levels is None  # contended: SuperLU's kernel
     pos = np.empty(cb.n, dtype=np.int64)
     pos[order] = np.arange(cb.n)
     lower, A_F = solver_blocks(cb, order, pos, nY)
@@ -542,7 +543,7 @@ def test_f_states_break_every_cycle() -> None:
     from aiorouter.tuning.solve import solver_order
 
     spec, cb, d_units = _chain([[0.5, 0.3, 0.2]] * 3, [3 * MS, 7 * MS, 11 * MS], 4, (1, 1, 1))
-    order, nY = solver_order(cb, d_units)
+    order, nY, levels = solver_order(cb, d_units)
     assert sorted(order) == list(range(cb.n))
     pos = np.empty(cb.n, dtype=np.int64)
     pos[order] = np.arange(cb.n)
@@ -551,6 +552,13 @@ def test_f_states_break_every_cycle() -> None:
     assert yy.sum() > cb.src.size // 2  # most transitions are inside the DAG
     assert np.all(pd[yy] > ps[yy])
     assert 0 < cb.n - nY < cb.n // 3
+    # Y's levels: they tile Y, and every Y source's transitions leave its level for a later one.
+    assert levels[0] == 0 and levels[-1] == nY and np.all(np.diff(levels) > 0)
+    assert 10 < levels.size < nY // 10  # far fewer levels than states: the point of them
+    level = np.repeat(np.arange(levels.size - 1), np.diff(levels))
+    ys = ps < nY
+    beyond = pd[ys] >= nY
+    assert np.all(beyond | (level[np.minimum(pd[ys], nY - 1)] > level[ps[ys]]))
 
 
 def test_latency_quanta_at_least_one() -> None:
@@ -627,23 +635,31 @@ def test_bfs_ids_are_levels_in_key_order_and_parts_join() -> None:
         key += enc.code(j, cb.K[:, j], cb.Bt[:, j], cb.R[:, j])
     for a, b in zip(cb.level_starts[:-1], cb.level_starts[1:]):
         assert np.all(np.diff(key[a:b]) > 0)  # distinct states, each level in key order
-    # The solver's matrices against a plain construction from the joined arrays.
-    order, nY = solver_order(cb, d_units)
+    # The solver's matrices against a plain construction from the joined arrays, in both layouts:
+    # SuperLU's (I - T^T, unit diagonal first) and the level solver's (T^T's strictly lower part).
+    from aiorouter.tuning.solve import LevelSolver, UnitLowerSolver
+
+    order, nY, levels = solver_order(cb, d_units)
     pos = np.empty(cb.n, dtype=np.int32)
     pos[order] = np.arange(cb.n, dtype=np.int32)
-    lower, A_F = solver_blocks(cb, order, pos, nY)
-    data, idx, ptr = [], [], [0]
-    for j, s in enumerate(order):
-        run = slice(cb.indptr[s], cb.indptr[s + 1])
-        data.append([1.0] + ([] if j >= nY else list(-cb.prob[run])))
-        idx.append([j] + ([] if j >= nY else list(pos[cb.dst[run]])))
-        ptr.append(ptr[-1] + len(data[-1]))
-    assert np.array_equal(lower.data, np.concatenate(data))
-    assert np.array_equal(lower.indices, np.concatenate(idx)) and np.array_equal(lower.indptr, ptr)
-    F = [slice(cb.indptr[s], cb.indptr[s + 1]) for s in order[nY:]]
-    assert np.array_equal(A_F.data, np.concatenate([cb.prob[r] for r in F]))
-    assert np.array_equal(A_F.indices, np.concatenate([pos[cb.dst[r]] for r in F]))
-    assert np.array_equal(A_F.indptr, np.cumsum([0] + [r.stop - r.start for r in F]))
+    for lv, kind, diag, sign in ((None, UnitLowerSolver, 1, -1.0), (levels, LevelSolver, 0, 1.0)):
+        lower, A_F = solver_blocks(cb, order, pos, nY, lv)
+        assert type(lower) is kind
+        data, idx, ptr = [], [], [0]
+        for j, s in enumerate(order):
+            run = slice(cb.indptr[s], cb.indptr[s + 1])
+            data.append([1.0] * diag + ([] if j >= nY else list(sign * cb.prob[run])))
+            idx.append([j] * diag + ([] if j >= nY else list(pos[cb.dst[run]])))
+            ptr.append(ptr[-1] + len(data[-1]))
+        assert np.array_equal(lower.data, np.concatenate(data))
+        assert np.array_equal(lower.indices, np.concatenate(idx)) and np.array_equal(lower.indptr, ptr)
+        F = [slice(cb.indptr[s], cb.indptr[s + 1]) for s in order[nY:]]
+        assert np.array_equal(A_F.data, np.concatenate([cb.prob[r] for r in F]))
+        assert np.array_equal(A_F.indices, np.concatenate([pos[cb.dst[r]] for r in F]))
+        assert np.array_equal(A_F.indptr, np.cumsum([0] + [r.stop - r.start for r in F]))
+    # Levels that do not hold (all of Y as one level): the level solver refuses them, SuperLU's serves.
+    lower, _ = solver_blocks(cb, order, pos, nY, np.array([0, nY]))
+    assert type(lower) is UnitLowerSolver
 
 
 @pytest.mark.parametrize("kernel", ["gstrs", "splu"])
@@ -662,3 +678,35 @@ def test_unit_lower_solver_solves_with_either_kernel(kernel, monkeypatch) -> Non
     b = np.random.default_rng(2).random(n)
     x = solver.UnitLowerSolver(L.data, L.indices, L.indptr).solve(b.copy())
     assert np.allclose(L @ x, b, rtol=1e-12, atol=1e-12)
+
+
+def test_level_solver_solves_and_refuses_levels_that_do_not_hold() -> None:
+    # x = (I - E)^-1 b level by level, for a random strictly lower E whose columns fall into
+    # levels of 1-40 columns with no entry inside a level; the same E with one entry moved into its
+    # own level is refused (levelled() is False), and solver_blocks then takes SuperLU's layout.
+    import scipy.sparse as sp
+
+    from aiorouter.tuning.solve import LevelSolver, csc_matvec_kernel
+
+    assert csc_matvec_kernel() is not None  # this scipy has the kernel: the level path runs
+    rng = np.random.default_rng(4)
+    n = 600
+    levels = np.unique(np.concatenate([[0, n], np.cumsum(rng.integers(1, 40, n))]))
+    levels = levels[levels <= n]
+    level = np.repeat(np.arange(levels.size - 1), np.diff(levels))
+    E = sp.random(n, n, density=0.03, random_state=4, format="coo")
+    below = level[E.row] > level[E.col]  # only entries in a later level
+    E = sp.csc_matrix((E.data[below] * 0.3, (E.row[below], E.col[below])), shape=(n, n))
+    E.sort_indices()
+    b = rng.random(n)
+    x = LevelSolver(E.data, E.indices.astype(np.intc), E.indptr.astype(np.intc), levels).solve(b.copy())
+    assert LevelSolver(E.data, E.indices, E.indptr, levels).levelled()
+    assert np.allclose(x - E @ x, b, rtol=1e-12, atol=1e-12)
+    ref = sp.linalg.spsolve_triangular((sp.identity(n) - E).tocsr(), b, lower=True)
+    assert np.allclose(x, ref, rtol=1e-12, atol=1e-12)
+    j = int(np.flatnonzero(np.diff(levels) > 1)[0])  # a level of two columns or more
+    s = int(levels[j])
+    bad = E.tolil()
+    bad[s + 1, s] = 0.1  # an entry inside level j
+    bad = bad.tocsc()
+    assert not LevelSolver(bad.data, bad.indices, bad.indptr, levels).levelled()

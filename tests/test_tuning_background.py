@@ -97,3 +97,22 @@ def test_a_search_child_answers_many_requests_in_one_process_and_keeps_serving_a
     busy.run(os.getpid)
     busy.kill()  # (cancelling: a signal, whatever it is doing)
     assert busy.exit_code is not None and busy.exit_code < 0
+
+
+def test_a_search_child_runs_this_checkouts_code_from_any_working_directory(tmp_path, monkeypatch):
+    # An `aiorouter` folder where the parent runs (a second checkout, say) must not replace the
+    # package the parent runs: the child would solve with other code, and unpickle its own classes.
+    import aiorouter.tuning.search as search
+
+    (tmp_path / "aiorouter" / "tuning").mkdir(parents=True)
+    for f in ("aiorouter/__init__.py", "aiorouter/tuning/__init__.py"):
+        (tmp_path / f).write_text("raise ImportError('the wrong checkout')\n")
+    (tmp_path / "aiorouter" / "tuning" / "search.py").write_text("raise ImportError('the wrong checkout')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    child = ChildProcess()
+    try:
+        got = child.run(eval, "__import__('aiorouter.tuning.search').tuning.search.__file__")
+    finally:
+        child.close()
+    assert got == search.__file__

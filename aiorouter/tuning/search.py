@@ -10,6 +10,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 import os
+from pathlib import Path
 import pickle
 import queue
 import subprocess
@@ -413,8 +414,8 @@ class ChildProcess:
                 raise ChildCancelled("the child process was killed")
             if self._proc is None:
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-c", "from aiorouter.tuning.search import child_main; child_main()"]
-                    + (["--idle"] if self.idle else []), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                    [sys.executable, "-c", _CHILD_MAIN] + (["--idle"] if self.idle else []),
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             proc = self._proc
         try:
             pickle.dump((fn, args), proc.stdin)
@@ -469,6 +470,13 @@ def _in_child(children: "queue.SimpleQueue[ChildProcess]", fn: Callable[..., Any
         return child.run(fn, *args)
     finally:
         children.put(child)
+
+
+# The child runs the code its parent runs: this aiorouter's folder goes first on its path (else a
+# second checkout, or a package the parent found through its own sys.path alone, or an `aiorouter`
+# folder in the working directory would be imported instead).
+_CHILD_MAIN = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r}); "
+               "from aiorouter.tuning.search import child_main; child_main()")
 
 
 def child_main() -> None:

@@ -42,7 +42,8 @@ class SolverError(RuntimeError):
 
 
 class UnitLowerSolver:
-    """x = L^-1 b for a sparse unit lower-triangular L, diagonal first in each column.
+    """x = L^-1 b for a sparse unit lower-triangular L, diagonal first in each column: the solve
+    for chains without levels (contention), or where the level kernel is missing (`LevelSolver`).
 
     SuperLU's triangular kernel (gstrs) is called directly with L as the "L factor" and an empty
     U, as scipy's own `spsolve_triangular` does, but without its per-call copies.  Measured on the
@@ -99,8 +100,10 @@ def gstrs_kernel():
         return None
 
 
-def solver_order(cb: ChainBatch, d_units: np.ndarray) -> tuple[np.ndarray, int]:
-    """Return (order, nY): state ids with Y first (topologically), then F by chain."""
+def solver_order(cb: ChainBatch, d_units: np.ndarray) -> tuple[np.ndarray, int, np.ndarray | None]:
+    """Return (order, nY, levels): state ids with Y first (topologically), then F by chain; and,
+    without contention, Y's levels (positions levels[i]:levels[i + 1] have no transition between
+    them), else None."""
     n = cb.n
     rank = [int(i) for i in np.argsort(-d_units.max(axis=1), kind="stable")]
     # The top model: the first running one in rank order (the first in rank order if none runs).
@@ -129,24 +132,39 @@ def solver_order(cb: ChainBatch, d_units: np.ndarray) -> tuple[np.ndarray, int]:
     # Y -> Y lowers the key strictly (the top model's residual drops, or it
     # completes and idles; relaunching would make the target F), so ties may
     # fall in any order: the unstable sort is ~2x faster than the stable one.
-    return np.concatenate([y_ids[np.argsort(-key[y_ids])], f_ids]), y_ids.size
+    y_ids = y_ids[np.argsort(-key[y_ids])]
+    levels = None
+    if not cb.contended:
+        # In that order, (the top model's place in rank order, minus its residual) never falls,
+        # and without contention every Y -> Y step raises it (the top model's residual drops by
+        # the step, or the top model idles and a later-ranked one is on top): its runs are
+        # levels with no transition inside one.  `solver_blocks` checks that before using them.
+        place = np.empty(len(rank), dtype=np.int64)
+        place[rank] = np.arange(len(rank))
+        level = place[top_m[y_ids]] * (int(cb.rmax.max()) + 1) - top_r[y_ids]
+        levels = np.concatenate([[0], np.flatnonzero(np.diff(level)) + 1, [y_ids.size]])
+    return np.concatenate([y_ids, f_ids]), y_ids.size, levels
 
 
-def solver_blocks(cb: ChainBatch, order: np.ndarray, pos: np.ndarray, nY: int
-                  ) -> tuple[UnitLowerSolver, sp.csc_matrix]:
-    """The lower-triangular system above, and T^T's F-source columns (n x nF)."""
+def solver_blocks(cb: ChainBatch, order: np.ndarray, pos: np.ndarray, nY: int,
+                  levels: np.ndarray | None = None) -> tuple[UnitLowerSolver | LevelSolver, sp.csc_matrix]:
+    """The lower-triangular system above (by levels when `levels` holds and the kernel is there),
+    and T^T's F-source columns (n x nF)."""
     n, nF = cb.n, cb.n - nY
+    by_levels = levels is not None and csc_matvec_kernel() is not None
     counts = cb.counts.astype(np.intp)
-    # Columns of the triangular matrix, one per state: its unit diagonal first (SuperLU's kernel
-    # wants it first), then for a Y source its transitions.  F columns: diagonal only; an F
-    # source's transitions are A_F's column instead.  The transitions are read as the BFS stored
+    # Columns of the triangular matrix, one per state.  For SuperLU's kernel: its unit diagonal
+    # first, then for a Y source its transitions, negated (I - T^T).  By levels: only the Y
+    # sources' transitions (T^T's strictly lower part).  F columns: no transition; an F source's
+    # transitions are A_F's column instead.  The transitions are read as the BFS stored
     # them (level by level, source by source) and written into their columns, both matrices in
     # one buffer.  Gathering them column by column (random sources) from the joined arrays, with
     # whole-matrix index arrays (~28 bytes per entry), was no faster warm and much slower on
     # fresh memory (the largest N = 7 chain of the 3-model case, 6.6M entries: 131-146 ms warm,
     # 509 ms on its first call, against 124-132 ms; 2-core Xeon, 2026-12-05).
-    c = counts[order] + 1
-    c[nY:] = 1
+    diag = 0 if by_levels else 1
+    c = counts[order] + diag
+    c[nY:] = diag
     ip = np.zeros(n + 1, dtype=np.intc)
     np.cumsum(c, out=ip[1:])
     ipF = np.zeros(nF + 1, dtype=np.intp)
@@ -156,7 +174,7 @@ def solver_blocks(cb: ChainBatch, order: np.ndarray, pos: np.ndarray, nY: int
     data = np.empty(nL + int(ipF[-1]))
     indices = np.empty(data.shape[0], dtype=np.intc)
     # Where a source's first transition goes: after its column's diagonal (Y), or its A_F column.
-    first = np.where(pos < nY, ip[:-1][pos] + 1, nL + ipF[:-1][np.maximum(pos - nY, 0)])
+    first = np.where(pos < nY, ip[:-1][pos] + diag, nL + ipF[:-1][np.maximum(pos - nY, 0)])
     for a, b, dst, prob in zip(cb.level_starts[:-1], cb.level_starts[1:], cb.dst_parts, cb.prob_parts):
         cnt = counts[a:b]
         src = np.repeat(np.arange(b - a), cnt)  # each transition's source, from a
@@ -164,12 +182,75 @@ def solver_blocks(cb: ChainBatch, order: np.ndarray, pos: np.ndarray, nY: int
         at += np.arange(src.shape[0], dtype=np.intp)
         data[at] = prob
         indices[at] = pos[dst]
+    A_F = sp.csc_matrix((data[nL:], indices[nL:], ipF), shape=(n, nF))
+    if by_levels:
+        lower = LevelSolver(data[:nL], indices[:nL], ip, levels)
+        if lower.levelled():
+            return lower, A_F
+        # A transition inside a level (not expected without contention): SuperLU's layout after all.
+        return solver_blocks(cb, order, pos, nY, None)[0], A_F
     data[ip[:-1]] = -1.0
     indices[ip[:-1]] = pos[order]
     np.negative(data[:nL], out=data[:nL])  # I - T^T, with its unit diagonal
-    lower = UnitLowerSolver(data[:nL], indices[:nL], ip)
-    A_F = sp.csc_matrix((data[nL:], indices[nL:], ipF), shape=(n, nF))
-    return lower, A_F
+    return UnitLowerSolver(data[:nL], indices[:nL], ip), A_F
+
+
+class LevelSolver:
+    """x = (I - E)^-1 b for a sparse strictly lower-triangular E given by columns, whose columns
+    fall into levels with no entry inside a level (Y's levels, `solver_order`).
+
+    Column-oriented forward substitution, a level at a time: once the entries above level l are
+    pushed, x's part in level l is final, and one sparse product pushes that part into the rows
+    below (scipy's C `csc_matvec`, accumulating in place into x).  That reads E once, as a
+    matrix-vector product does, with one call per level (~150 per solve in the 3-model search),
+    where SuperLU's kernel (`UnitLowerSolver`) does fixed work per column on top: it cost ~2.3x a
+    product of the same matrix.  It does the same additions in the same order, so the solutions are
+    bit-identical.  Seconds in the solves, then the whole search, serial (2-core Xeon AVX-512,
+    2026-12-06, two runs): the exhaustive 3-model search to N = 7, 3.04 / 3.04 s against 8.32 /
+    8.28 s with SuperLU's kernel (2.7x; search 14.4 s against 20.1-20.5 s); the paper pair to
+    N = 16, 0.39 / 0.36 s against 1.10 / 1.06 s (2.9x; 2.0-2.2 s against 2.8-2.9 s).  Without
+    contention only: a contended chain's F takes the states a launch lengthens, and its Y has no
+    such levels (SuperLU's kernel serves it).
+    """
+
+    def __init__(self, data: np.ndarray, indices: np.ndarray, indptr: np.ndarray, levels: np.ndarray) -> None:
+        self.n = indptr.size - 1
+        self.data, self.indices, self.indptr = data, indices, indptr
+        self.levels = levels
+        self._matvec = csc_matvec_kernel()
+
+    def levelled(self) -> bool:
+        """True if no column's entry lies in its own level or above (what the solve relies on)."""
+        lv = self.levels
+        runs = self.indptr[lv]  # each level's first entry
+        keep = runs[:-1] < runs[1:]  # levels with entries
+        if not keep.any():
+            return True
+        lowest = np.minimum.reduceat(self.indices, runs[:-1][keep])
+        return bool(np.all(lowest >= lv[1:][keep]))
+
+    def solve(self, b: np.ndarray) -> np.ndarray:
+        """Solves in place when b is a float64 array (the callers pass temporaries)."""
+        x = np.asarray(b, dtype=float)
+        n, ip, idx, data, mv, lv = self.n, self.indptr, self.indices, self.data, self._matvec, self.levels
+        for s, e in zip(lv[:-1].tolist(), lv[1:].tolist()):
+            mv(n, e - s, ip[s:e + 1], idx, data, x[s:e], x)
+        return x
+
+
+def csc_matvec_kernel():
+    """scipy's C kernel y += A x for a CSC matrix (private API, like SuperLU's gstrs above), if it
+    accumulates in place into a view on a small system, else None (then SuperLU's kernel serves)."""
+    try:
+        from scipy.sparse._sparsetools import csc_matvec
+
+        ip = np.array([0, 1, 2, 2], dtype=np.intc)
+        x = np.ones(3)
+        csc_matvec(3, 1, ip[0:2], np.array([1, 2], dtype=np.intc), np.array([0.5, 0.25]), x[0:1], x)
+        csc_matvec(3, 1, ip[1:3], np.array([1, 2], dtype=np.intc), np.array([0.5, 0.25]), x[1:2], x)
+        return csc_matvec if np.allclose(x, [1.0, 1.5, 1.375], rtol=1e-15) else None
+    except Exception:  # any API drift: SuperLU's kernel
+        return None
 
 
 # -------------------- per-chain GMRES and the power method --------------------
@@ -364,10 +445,10 @@ def stationary_batch(
 ) -> tuple[np.ndarray, int, np.ndarray]:
     """pi for every chain (each chain's block sums to 1), iterations, closed classes per chain."""
     n, nB = cb.n, cb.nB
-    order, nY = solver_order(cb, d_units)
+    order, nY, levels = solver_order(cb, d_units)
     pos = np.empty(n, dtype=np.int32)
     pos[order] = np.arange(n, dtype=np.int32)
-    lower, A_F = solver_blocks(cb, order, pos, nY)
+    lower, A_F = solver_blocks(cb, order, pos, nY, levels)
 
     last: list[np.ndarray] = []  # the latest (v, through_y(v))
 
