@@ -151,7 +151,8 @@ def solver_blocks(cb: ChainBatch, order: np.ndarray, pos: np.ndarray, nY: int,
     """The lower-triangular system above (by levels when `levels` holds and the kernel is there),
     and T^T's F-source columns (n x nF)."""
     n, nF = cb.n, cb.n - nY
-    by_levels = levels is not None and csc_matvec_kernel() is not None
+    matvec = csc_matvec_kernel() if levels is not None else None
+    by_levels = matvec is not None
     counts = cb.counts.astype(np.intp)
     # Columns of the triangular matrix, one per state.  For SuperLU's kernel: its unit diagonal
     # first, then for a Y source its transitions, negated (I - T^T).  By levels: only the Y
@@ -184,7 +185,7 @@ def solver_blocks(cb: ChainBatch, order: np.ndarray, pos: np.ndarray, nY: int,
         indices[at] = pos[dst]
     A_F = sp.csc_matrix((data[nL:], indices[nL:], ipF), shape=(n, nF))
     if by_levels:
-        lower = LevelSolver(data[:nL], indices[:nL], ip, levels)
+        lower = LevelSolver(data[:nL], indices[:nL], ip, levels, matvec)
         if lower.levelled():
             return lower, A_F
         # A transition inside a level (not expected without contention): SuperLU's layout after all.
@@ -213,11 +214,12 @@ class LevelSolver:
     such levels (SuperLU's kernel serves it).
     """
 
-    def __init__(self, data: np.ndarray, indices: np.ndarray, indptr: np.ndarray, levels: np.ndarray) -> None:
+    def __init__(self, data: np.ndarray, indices: np.ndarray, indptr: np.ndarray, levels: np.ndarray,
+                 matvec=None) -> None:
         self.n = indptr.size - 1
         self.data, self.indices, self.indptr = data, indices, indptr
         self.levels = levels
-        self._matvec = csc_matvec_kernel()
+        self._matvec = matvec if matvec is not None else csc_matvec_kernel()  # (checked once by the caller)
 
     def levelled(self) -> bool:
         """True if no column's entry lies in its own level or above (what the solve relies on)."""
