@@ -35,9 +35,14 @@ def check_against(ref_lp: torch.Tensor, output: list[int], got, k: int) -> None:
     assert len(got) == len(output) == ref_lp.shape[0]
     for row, tok, lp in zip(ref_lp, output, got):
         assert abs(lp.logprob - float(row[tok])) < TOL, (lp.logprob, float(row[tok]))
-        vals, ids = torch.topk(row, k)
-        assert [i for i, _ in lp.top] == ids.tolist()
-        assert all(abs(a - b) < TOL for (_, a), b in zip(lp.top, vals.tolist()))
+        # The j-th entry is a token whose reference log probability is the j-th largest: the same id
+        # but where two reference values lie within TOL, which the spec's 1e-4 cannot order (on the
+        # AVX2 VM the engine's top 20 and transformers' differed at rank 17, ids 169 and 334).
+        vals, _ = torch.topk(row, k)
+        got_ids = [i for i, _ in lp.top]
+        assert len(got_ids) == k and len(set(got_ids)) == k
+        assert all(abs(float(row[i]) - b) < TOL for i, b in zip(got_ids, vals.tolist())), (got_ids, vals.tolist())
+        assert all(abs(a - float(row[i])) < TOL for i, a in lp.top)
 
 
 @pytest.fixture(scope="module")
