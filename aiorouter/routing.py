@@ -89,8 +89,11 @@ class Routing:
         logits, hidden, tokens = self._rows(out, rows)
         V = self.vocab_size  # rows past V: reserved for the policy (a view, no copy)
         views = Views(self._view, reqs, [out.next_tokens[r] for r in rows])
-        result = StepResult(self.index, logits[:, :V], tokens, hidden, views,
-                            logits[:, V:] if logits.shape[-1] > V else None)
+        # (no slice when there are no reserved rows: a torch call on the loop thread is a point where
+        # a worker takes the GIL, and the loop then waits to get it back)
+        reserved = logits.shape[-1] > V
+        result = StepResult(self.index, logits[:, :V] if reserved else logits, tokens, hidden, views,
+                            logits[:, V:] if reserved else None)
         try:
             dests = await self.worker.call(policy.route, result) if policy.route_in_worker else policy.route(result)
             dests = [int(d) for d in (dests.tolist() if hasattr(dests, "tolist") else dests)]
