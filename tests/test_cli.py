@@ -84,6 +84,24 @@ async def test_generate_sends_a_user_message_and_raw_sends_text(tiny_chat_model)
         assert printed == want.text and summary.startswith(f"{len(want.token_ids)} tokens")
 
 
+def test_generate_answers_one_request_without_tuning_and_logs_only_when_verbose(tiny_chat_model):
+    """One request needs no schedule: generate neither profiles step costs nor solves thresholds
+    (8.5 of 17 s of the default pair's first answer), and its stderr holds the start-up's INFO lines
+    only with --verbose."""
+    models = ["--model", f"small={tiny_chat_model}", "--model", f"large={tiny_chat_model}", "--policy", "random",
+              "--max-tokens", "6", "--kv-memory-gb", "0.05"]
+    quiet = aiorouter_cmd("generate", "Hi there.", *models)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stderr == "", quiet.stderr
+    assert quiet.stdout.rsplit("\n[", 1)[1].startswith("6 tokens")
+    loud = aiorouter_cmd("generate", "Hi there.", *models, "--verbose")
+    assert loud.returncode == 0, loud.stderr
+    assert "INFO aiorouter: loading model small" in loud.stderr and "INFO aiorouter: loading model large" in loud.stderr
+    assert "decode step b=" not in loud.stderr and "threshold tuning" not in loud.stderr, loud.stderr
+    # greedy on two copies of one model: the same text either way (the coins split it otherwise)
+    assert loud.stdout.rsplit("\n[", 1)[0] == quiet.stdout.rsplit("\n[", 1)[0]
+
+
 def test_generate_without_a_chat_template_says_to_use_raw(tiny_chat_model, tmp_path):
     base = tmp_path / "base"  # the tiny chat model without its chat template: a base model
     shutil.copytree(tiny_chat_model, base)
