@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from engines.kv_cache import PageAllocator
-from engines.prefix_cache import PrefixCache
+from engines.prefix_cache import PageKey, PrefixCache
 from engines.sequence import Sequence
 
 
@@ -97,6 +97,37 @@ class BlockManager:
             self.prefix_cache.insert(key, seq.block_table[i])  # a duplicate simply stays private
         seq.num_registered_pages, seq.last_page_key = n_full, keys[-1]
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the sequence's first `num_tokens` tokens (>= 1) and what of their K/V may be kept; the
+        pages past them go back (a cached one stays in the prefix cache: its content still matches
+        its key). At least the last kept token is left to compute, so the next step has logits to
+        sample from, as at admission. The next write must not land in a page the prefix cache holds:
+        such pages are full and may be shared (another sequence matched it, or will), so when the
+        first position to compute falls inside one, that page is dropped too and its kept part is
+        computed again (at most page_size - 1 tokens) rather than copied."""
+        if not 1 <= num_tokens <= len(seq.token_ids):
+            raise ValueError(f"truncate to {num_tokens} tokens: a sequence of {len(seq.token_ids)} keeps 1 to all of them")
+        ps = self.page_size
+        computed = min(seq.num_computed_tokens, num_tokens - 1)
+        page = computed // ps
+        if computed % ps and page < len(seq.block_table) and self._shared(seq.block_table[page]):
+            computed = page * ps  # the write would land in a cached (full, maybe shared) page
+        keep = -(-computed // ps)
+        dropped, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
+        self._drop(dropped)
+        del seq.token_ids[num_tokens:]
+        seq.num_computed_tokens = computed
+        seq.num_cached_tokens = min(seq.num_cached_tokens, computed)
+        seq.num_registered_pages = min(seq.num_registered_pages, computed // ps)
+        seq.last_page_key = self._key_of_page(seq, seq.num_registered_pages - 1)
+
+    def _key_of_page(self, seq: Sequence, i: int) -> PageKey | None:
+        """The chain key of the sequence's page `i` (None for i < 0): the cache's, or, for a page
+        that stayed private (its key was cached by another page first), hashed again from the tokens."""
+        if i < 0 or self.prefix_cache is None:
+            return None
+        return self.prefix_cache.key_of(seq.block_table[i]) or PrefixCache.page_keys(seq.token_ids, self.page_size, i + 1)[-1]
+
     def uncache(self, seq: Sequence) -> None:
         """The sequence's K/V may be broken (its logits were NaN/inf): no later request may match the
         pages it computed, so they leave the prefix cache (the ones it matched at admission stay)."""
@@ -107,16 +138,25 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's pages: cached ones stay in the prefix cache, the rest go back."""
-        for page in seq.block_table:
+        self._drop(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_pages = 0
+        seq.last_page_key = None
+
+    def _shared(self, page: int) -> bool:
+        return (self.prefix_cache is not None and self.prefix_cache.contains_page(page)) or \
+            self.allocator.ref_count[page] > 1
+
+    def _drop(self, pages: list[int]) -> None:
+        """A sequence lets go of `pages`: the last reference to a cached one parks it in the prefix
+        cache (evictable), to any other returns it to the pool."""
+        for page in pages:
             if self.allocator.decref(page) == 0:
                 if self.prefix_cache is not None and self.prefix_cache.contains_page(page):
                     self.prefix_cache.park(page)
                 else:
                     self.allocator.release(page)
-        seq.block_table = []
-        seq.num_computed_tokens = 0
-        seq.num_registered_pages = 0
-        seq.last_page_key = None
 
     def reset_prefix_cache(self) -> int:
         if self.prefix_cache is None:

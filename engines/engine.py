@@ -264,6 +264,14 @@ class Engine:
         self.scheduler.resume(seq, new_tokens)
         seq.t_ready = time.perf_counter()
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Roll the sequence back to its first `num_tokens` tokens (at least its prompt), between
+        steps: a model whose view of a request changed under it (a peer's text re-tokenized across
+        vocabularies) drops its tail here and `resume`s with the new one. Its K/V past the cut go
+        back to the pool (pages the prefix cache holds stay cached), a cached page is never written
+        again (its kept part is recomputed instead), and the next step computes from the cut."""
+        self.scheduler.truncate(seq, num_tokens)
+
     def release(self, seq: Sequence, reason: str) -> None:
         """The sequence is over here: its pages go back to the pool, full ones into the prefix cache."""
         self.scheduler.finish(seq, reason)

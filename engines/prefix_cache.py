@@ -46,6 +46,9 @@ class PrefixCache:
     def contains_page(self, page: int) -> bool:
         return page in self._key_of
 
+    def key_of(self, page: int) -> PageKey | None:
+        return self._key_of.get(page)
+
     def insert(self, key: PageKey, page: int) -> bool:
         """Cache `page` under `key`. False when the key is already cached by another page."""
         if key in self._page_of or page in self._key_of:

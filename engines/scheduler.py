@@ -118,6 +118,15 @@ class Scheduler:
         else:  # its KV was dropped under memory pressure while parked
             self.add(seq)
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Roll a live sequence back to its first `num_tokens` tokens (BlockManager.truncate), between
+        steps; it stays where it is (parked, waiting or running)."""
+        if seq.status is SeqStatus.FINISHED:
+            raise ValueError(f"sequence {seq.seq_id} is finished ({seq.finish_reason}): nothing to truncate")
+        if num_tokens < seq.num_prompt_tokens:
+            raise ValueError(f"truncate to {num_tokens} tokens would cut into the prompt ({seq.num_prompt_tokens} tokens)")
+        self.bm.truncate(seq, num_tokens)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SeqStatus.FINISHED:
             return
