@@ -4,14 +4,14 @@ The text is the request's truth; each model keeps its own tokenization of it. Wh
 model wrote arrives, this model's tokens are brought up to date without tokenizing the whole
 response again: its tokens from the last word start are tokenized again together with the new
 text. A token whose text begins a run of whitespace begins a word (inside a run, how it splits
-depends on what follows: SmolLM2 gives the run's last space to the next word), and no merge of either BPE the project
-meets reaches back across a word start: SmolLM2's byte-level BPE splits words by a regex before
-merging, and Gemma 3's SentencePiece-style BPE learned its pieces within words (one of its 262,144
-tokens holds a '▁' that is not a run of them). A fixed window of tokens is not enough: within one
-long word (a URL, words run together) a merge can reach further back, and hypothesis found such a
-text for a window of 4. Where the text changed under its last tokens (a word that went on), the
-model's tokens differ from some position on: `keep` says where, for its KV to be cut there
-(`Engine.truncate`), and `tail` is what it takes from there.
+depends on what follows: SmolLM2 gives the run's last space to the next word), and no merge of
+either BPE the project meets reaches back across a word start: SmolLM2's byte-level BPE splits
+words by a regex before merging, and Gemma 3's SentencePiece-style BPE learned its pieces within
+words (one of its 262,144 tokens holds a '▁' that is not a run of them). A fixed window of tokens
+is not enough: within one long word (a URL, words run together) a merge can reach further back,
+and hypothesis found such a text for a window of 4. Where the text changed under its last tokens
+(a word that went on), the model's tokens differ from some position on: `keep` says where, for
+its KV to be cut there (`Engine.truncate`), and `tail` is what it takes from there.
 """
 from __future__ import annotations
 
