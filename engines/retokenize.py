@@ -42,6 +42,9 @@ class Retokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._encode(text))
 
+    def decode(self, ids: list[int]) -> str:
+        return self._decode(ids)
+
     def extend(self, ids: list[int], text: str, new_text: str) -> Update:
         """`ids`: this model's tokens of `text` (a response, without its prompt); `new_text` follows
         it -> how its tokens change. Costs a decode per token back to the last word start and one

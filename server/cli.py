@@ -129,12 +129,12 @@ def add_router_args(ap: argparse.ArgumentParser, one_request: bool = False) -> N
                     help="a model's subserver that dies (a bug; a request's own failure fails that request alone) "
                          "fails every request in flight and restarts with a fresh engine state, at most this many "
                          "times in 10 minutes; past that `serve` exits with status 1 for its supervisor to restart")
-    if one_request:
-        return
-    ap.add_argument("--no-retune", dest="retune", action="store_false",
-                    help="keep the start-up delayed-batching schedule: no re-solve while serving when the routing "
-                         "or step times drift (a re-solve is seconds of idle-priority CPU, 10-15%% of a 2-core "
-                         "host's throughput while it runs) (default: re-solve on drift, as Router(retune=True))")
+    if not one_request:
+        ap.add_argument("--no-retune", dest="retune", action="store_false",
+                        help="keep the start-up delayed-batching schedule: no re-solve while serving when the "
+                             "routing or step times drift (a re-solve is seconds of idle-priority CPU, 10-15%% of a "
+                             "2-core host's throughput while it runs) (default: re-solve on drift, as "
+                             "Router(retune=True))")
 
 
 def router_args(args, one_request: bool = False) -> tuple[dict[str, ModelSpec], RouterConfig]:
@@ -178,9 +178,9 @@ def parse_threads(text: str | None) -> int | dict[str, int] | None:
         raise CliError(f"--threads expects N or NAME=N[,NAME=N], got {text!r}") from None
 
 
-def make_router(args):
+def make_router(args, one_request: bool = False):
     from aiorouter import Router
-    return Router(*router_args(args))
+    return Router(*router_args(args, one_request))
 
 
 def server_config(args):
@@ -275,8 +275,7 @@ RESET = "\033[0m"
 
 
 async def generate_main(args) -> int:
-    from aiorouter import Router
-    router = Router(*router_args(args, one_request=True))
+    router = make_router(args, one_request=True)
     async with router:
         tty = sys.stdout.isatty()
         # the one prompt convention (aiorouter.router.Prompt): the text is a user message, or with

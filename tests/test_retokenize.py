@@ -3,6 +3,8 @@ they decode to the text so far and equal its tokenizer's tokens of the whole tex
 the first position where they changed."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -49,7 +51,7 @@ def check_pieces(rt: Retokenizer, text: str, cuts: list[int]) -> None:
         u = rt.extend(ids, seen, text[a:b])
         seen = text[:b]
         new = ids[:u.keep] + u.tail
-        assert rt._decode(new) == seen  # the model's tokens say exactly the text
+        assert rt.decode(new) == seen  # the model's tokens say exactly the text
         assert new == rt.encode(seen), (seen, a, b)  # and are its tokenizer's tokens of the whole of it
         same = 0
         while same < min(len(ids), len(new)) and ids[same] == new[same]:
@@ -81,10 +83,9 @@ def test_gemma3_tokens_follow_the_text_piece_by_piece(text, cuts):
     check_pieces(gemma3_retokenizer(), text, cuts)
 
 
-def gemma3_retokenizer(cache: dict = {}) -> Retokenizer:  # noqa: B006 - built once per process
-    if "rt" not in cache:
-        from transformers import AutoTokenizer
+@functools.cache
+def gemma3_retokenizer() -> Retokenizer:  # built once: hypothesis calls the test many times
+    from transformers import AutoTokenizer
 
-        from engines.known_models import known_model_path
-        cache["rt"] = Retokenizer(AutoTokenizer.from_pretrained(str(known_model_path("gemma3-270m"))))
-    return cache["rt"]
+    from engines.known_models import known_model_path
+    return Retokenizer(AutoTokenizer.from_pretrained(str(known_model_path("gemma3-270m"))))
